@@ -337,9 +337,7 @@ class PackedSeqParams:
     # ------------------------------------------------------------------ graph contract
     def graph_inputs(self) -> dict[str, Tensor]:
         """The dynamic tensors, by field name (present fields only). Values change per batch."""
-        return {
-            name: getattr(self, name) for name in (*DYNAMIC_FIELDS, "seq_idx") if getattr(self, name) is not None
-        }
+        return {name: getattr(self, name) for name in (*DYNAMIC_FIELDS, "seq_idx") if getattr(self, name) is not None}
 
     def static_signature(self) -> StaticSignature:
         """A frozen, hashable description of everything static (see module docstring)."""
@@ -437,7 +435,9 @@ class PackedSeqParams:
                     name, "q/kv capacity mismatch", f"{t.numel() - 1} slots vs cu_seqlens_q's {n_q - 1}"
                 )
         if capacity is not None and n_q - 1 != capacity:
-            raise PackedSeqParamsError("cu_seqlens_q", "capacity not respected", f"{n_q - 1} slots, expected {capacity}")
+            raise PackedSeqParamsError(
+                "cu_seqlens_q", "capacity not respected", f"{n_q - 1} slots, expected {capacity}"
+            )
         for name in ("max_seqlen_q", "max_seqlen_kv", "total_tokens", "local_cp_size"):
             v = getattr(self, name)
             if v is None:
