@@ -1,0 +1,229 @@
+"""Static-metadata buckets: which static ``(max_seqlen, capacity)`` a packed batch runs with.
+
+A captured graph is valid for one static signature, and two parts of that signature change with the packing:
+``max_seqlen`` (attention kernels size their launch grid from it) and the capacity (the shape of ``cu_seqlens``).
+Running every batch at the worst case (``max_seqlen = T``, a huge capacity) needs one graph but makes attention do
+wasted work; running each at its exact values needs a graph per batch. A :class:`BucketPolicy` sits in between:
+two short ladders, and each batch takes the smallest rung of each that fits, so there are few graphs and little
+waste.
+
+:meth:`BucketPolicy.apply` re-pads a batch's params to its bucket on the device without a host sync, so it can run
+right before a graph replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from packgraph.params import DYNAMIC_FIELDS, PackedSeqParams
+
+__all__ = ["Bucket", "BucketPolicy", "default_buckets"]
+
+_REAL_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv")
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """A static ``(max_seqlen, capacity)`` pair: one graph signature's share of the packing."""
+
+    max_seqlen: int
+    capacity: int
+
+    def __str__(self) -> str:
+        return f"max_seqlen={self.max_seqlen} capacity={self.capacity}"
+
+
+@dataclass(frozen=True)
+class BucketPolicy:
+    """Two ladders of static values; a batch runs with the smallest rung of each that fits it.
+
+    Args:
+        max_seqlen_ladder: allowed static ``max_seqlen`` values, strictly increasing positive ints.
+        capacity_ladder: allowed capacities (``cu_seqlens`` slots), strictly increasing positive ints.
+
+    The number of buckets (hence of graphs a training run may capture) is the product of the ladder lengths.
+    """
+
+    max_seqlen_ladder: tuple[int, ...]
+    capacity_ladder: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("max_seqlen_ladder", "capacity_ladder"):
+            ladder = tuple(getattr(self, name))
+            if not ladder:
+                raise ValueError(f"BucketPolicy.{name} must not be empty")
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in ladder):
+                raise ValueError(f"BucketPolicy.{name} must hold Python ints, got {ladder}")
+            if ladder[0] < 1:
+                raise ValueError(f"BucketPolicy.{name} must be positive, got {ladder}")
+            if any(b <= a for a, b in zip(ladder, ladder[1:], strict=False)):
+                raise ValueError(f"BucketPolicy.{name} must be sorted and unique (strictly increasing), got {ladder}")
+            object.__setattr__(self, name, ladder)
+
+    @property
+    def num_buckets(self) -> int:
+        """How many distinct buckets (static signatures) the policy can produce."""
+        return len(self.max_seqlen_ladder) * len(self.capacity_ladder)
+
+    @property
+    def max_capacity(self) -> int:
+        """The largest capacity rung: a packer must put at most this many documents in a bin."""
+        return self.capacity_ladder[-1]
+
+    @property
+    def max_seqlen(self) -> int:
+        """The largest max_seqlen rung: no document may be longer."""
+        return self.max_seqlen_ladder[-1]
+
+    def buckets(self) -> list[Bucket]:
+        """Every bucket, ordered by max_seqlen then capacity."""
+        return [Bucket(s, c) for s in self.max_seqlen_ladder for c in self.capacity_ladder]
+
+    def describe(self) -> str:
+        """One line: the ladders and the bucket count."""
+        return (
+            f"BucketPolicy: max_seqlen in {self.max_seqlen_ladder} x capacity in {self.capacity_ladder} "
+            f"= {self.num_buckets} buckets"
+        )
+
+    def bucket_for(self, max_seqlen: int, num_seqs: int) -> Bucket:
+        """The smallest bucket with ``bucket.max_seqlen >= max_seqlen`` and ``bucket.capacity >= num_seqs``.
+
+        Args:
+            max_seqlen: the batch's true longest sequence (>= 0).
+            num_seqs: the number of slots the batch uses (>= 0).
+
+        Raises:
+            ValueError: nothing fits; the message says which ladder to extend or what to cap.
+        """
+        if max_seqlen < 0 or num_seqs < 0:
+            raise ValueError(f"max_seqlen and num_seqs must be >= 0, got {max_seqlen}, {num_seqs}")
+        seqlen = next((v for v in self.max_seqlen_ladder if v >= max_seqlen), None)
+        if seqlen is None:
+            raise ValueError(
+                f"no bucket fits max_seqlen={max_seqlen}: the largest max_seqlen rung is {self.max_seqlen}; add a "
+                f"rung >= {max_seqlen} or truncate documents to {self.max_seqlen} tokens"
+            )
+        capacity = next((v for v in self.capacity_ladder if v >= num_seqs), None)
+        if capacity is None:
+            raise ValueError(
+                f"no bucket fits {num_seqs} sequences: the largest capacity rung is {self.max_capacity}; add a rung "
+                f">= {num_seqs} or pack with max_seqs_per_bin <= {self.max_capacity}"
+            )
+        return Bucket(seqlen, capacity)
+
+    def bucket_of(self, params: PackedSeqParams) -> Bucket:
+        """The bucket ``params`` belong in (see :meth:`apply` for where the true values come from)."""
+        max_seqlen, num_seqs, _ = _true_extent(params)
+        return self.bucket_for(max_seqlen, num_seqs)
+
+    def apply(self, params: PackedSeqParams) -> PackedSeqParams:
+        """Return ``params`` re-padded to their bucket: graph-safe, no host sync.
+
+        * The true longest sequence and number of used slots are read from ``params.host_offsets`` (host copies,
+          no sync). Trailing zero-length slots count as ghosts and may be dropped. Without host offsets the
+          params' own static ``max(max_seqlen_q, max_seqlen_kv)`` and ``capacity`` are taken as the bound, so
+          the capacity only grows.
+        * Every ``cu_seqlens*`` tensor is resized to ``capacity + 1`` entries with device ops only: extended by
+          repeating its last offset (ghost slots) or sliced (the result may share storage with the input).
+          Tensors shared between fields stay shared.
+        * ``max_seqlen_q`` and ``max_seqlen_kv`` are set to the bucket's static value; ``host_offsets`` are
+          resized to match; a present ``seq_idx`` is re-derived on the device so its tail value follows the new
+          capacity.
+
+        Raises:
+            ValueError: no bucket fits (see :meth:`bucket_for`).
+        """
+        max_seqlen, num_seqs, host = _true_extent(params)
+        bucket = self.bucket_for(max_seqlen, num_seqs)
+        resized: dict[int, Tensor] = {}
+        changes: dict[str, Any] = {}
+        for name in DYNAMIC_FIELDS:
+            t = getattr(params, name)
+            if t is None:
+                continue
+            if id(t) not in resized:
+                resized[id(t)] = _resize_offsets(t, bucket.capacity)
+            changes[name] = resized[id(t)]
+        new_host = None
+        if host is not None:
+            new_host = {name: _resize_host(offs, bucket.capacity) for name, offs in host.items()}
+        out = params.replace(
+            max_seqlen_q=bucket.max_seqlen, max_seqlen_kv=bucket.max_seqlen, host_offsets=new_host, **changes
+        )
+        if out.seq_idx is not None:
+            out = out.with_seq_idx()
+        return out
+
+    def stats(self, batches: Iterable[Any]) -> dict[Bucket, int]:
+        """How many batches run in each bucket.
+
+        ``batches`` holds objects with a ``packed_seq_params`` attribute (e.g. ``PackedBatch``) or params
+        themselves; each is counted under its *static* ``(max_seqlen_q, capacity)``. The result lists every
+        bucket of the policy in :meth:`buckets` order (zero counts included), then any off-policy bucket seen.
+        """
+        counts: dict[Bucket, int] = dict.fromkeys(self.buckets(), 0)
+        for item in batches:
+            params = getattr(item, "packed_seq_params", item)
+            key = Bucket(params.max_seqlen_q, params.capacity)
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+
+def default_buckets(total_tokens: int) -> BucketPolicy:
+    """A small default policy for batches of ``total_tokens`` rows.
+
+    * max_seqlen: powers of two from 256 below ``total_tokens``, then ``total_tokens`` itself (a document can
+      never be longer than the batch).
+    * capacity: ``(8, 32, 128, 512)``, each capped at ``total_tokens`` (a bin of ``T`` rows never needs more than
+      ``T`` non-empty slots).
+    """
+    if total_tokens < 1:
+        raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
+    # Placeholder ladders: the benchmark issue tunes both from measurements (graphs captured vs attention time).
+    seqlens = {total_tokens}
+    rung = 256
+    while rung < total_tokens:
+        seqlens.add(rung)
+        rung *= 2
+    capacities = {min(c, total_tokens) for c in (8, 32, 128, 512)}
+    return BucketPolicy(tuple(sorted(seqlens)), tuple(sorted(capacities)))
+
+
+def _true_extent(params: PackedSeqParams) -> tuple[int, int, dict[str, Sequence[int]] | None]:
+    """``(max_seqlen, num_used_slots, host_offsets or None)``, from host offsets when they cover every field."""
+    present = [name for name in DYNAMIC_FIELDS if getattr(params, name) is not None]
+    host = params.host_offsets
+    if host is None or any(name not in host for name in present):
+        bound = max(v for v in (params.max_seqlen_q, params.max_seqlen_kv) if v is not None)
+        return bound, params.capacity, None
+    host = {name: tuple(host[name]) for name in present}
+    longest, used = 0, 0
+    for name, offs in host.items():
+        lengths = [b - a for a, b in zip(offs, offs[1:], strict=False)]
+        if name in _REAL_FIELDS:
+            longest = max(longest, max(lengths, default=0))
+        # A slot is used if it covers any row, real or padding; trailing empty slots are ghosts.
+        used = max(used, next((i + 1 for i in range(len(lengths) - 1, -1, -1) if lengths[i] > 0), 0))
+    return longest, used, host
+
+
+def _resize_offsets(offsets: Tensor, capacity: int) -> Tensor:
+    n = capacity + 1
+    if offsets.numel() == n:
+        return offsets
+    if offsets.numel() > n:
+        return offsets[:n]
+    # expand of the last element: ghost slots repeat the last offset, computed on the device (no .item()).
+    return torch.cat([offsets, offsets[-1:].expand(n - offsets.numel())])
+
+
+def _resize_host(offsets: Sequence[int], capacity: int) -> tuple[int, ...]:
+    n = capacity + 1
+    offsets = tuple(offsets)
+    return offsets[:n] if len(offsets) >= n else offsets + (offsets[-1],) * (n - len(offsets))
