@@ -1,0 +1,367 @@
+"""Varlen attention over a packed (THD) token stream: torch's FlashAttention-2 varlen op on CUDA, an exact
+reference everywhere else.
+
+Contract (both paths):
+
+* q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA: query head ``h`` reads kv head
+  ``h // (Hq // Hkv)``). Self-attention has ``Tq == Tk``; q and kv may also have different offsets
+  (cross-attention shapes). The output is ``[Tq, Hq, D]`` in q's dtype.
+* Layout (docs/API.md): sequence ``i`` occupies rows ``[layout[i], layout[i] + len_i)`` where ``layout`` is
+  ``cu_seqlens_*_padded`` when present, else ``cu_seqlens_*``, and ``len_i = cu[i + 1] - cu[i]``.
+* Rows in no sequence ("dead" rows: padding, and the tail past the last offset) come out as exact zeros and
+  receive exact-zero gradients.
+* Causal masking with ``len_q != len_kv`` follows FlashAttention-2's **bottom-right** alignment: query ``i`` of
+  a sequence sees key ``j`` iff ``j <= i + len_kv - len_q``. A query that sees no key outputs 0.
+* Graph-safe: no ``.item()``/``.tolist()``/``.cpu()`` and no Python branch on device values. Everything
+  derived from the offsets is built on the device with fixed shapes (capacity, T), so a captured graph stays
+  valid when the offsets change. ``max_seqlen_*`` are static Python ints.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from packgraph.params import PackedSeqParams, PackedSeqParamsError
+
+__all__ = ["varlen_attention", "varlen_attention_reference", "row_layout", "RowLayout", "flash_offsets"]
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_DIM = 256
+_MIN_TORCH_FOR_FLASH = "2.10"
+
+
+class RowLayout(NamedTuple):
+    """Where each row of a packed stream sits, computed on the device (all ``[n_rows]``, fixed shape).
+
+    Attributes:
+        slot: int64, the slot whose layout range ``[layout[s], layout[s + 1])`` holds the row; ``capacity``
+            for rows past the last offset (the tail).
+        pos: int64, ``row - layout[slot]``: the position within the sequence (it keeps counting through
+            padding and the tail, whose rows are dead).
+        length: int64, the real length of the row's sequence (0 for the tail).
+        live: bool, the row holds a real token (``pos < length``).
+    """
+
+    slot: Tensor
+    pos: Tensor
+    length: Tensor
+    live: Tensor
+
+
+def row_layout(packed_seq_params: PackedSeqParams, which: str, n_rows: int) -> RowLayout:
+    """:class:`RowLayout` of the ``"q"`` or ``"kv"`` side for a stream of ``n_rows`` rows. No host sync."""
+    layout = packed_seq_params.layout_offsets(which).long()
+    cu = getattr(packed_seq_params, f"cu_seqlens_{which}").long()
+    rows = torch.arange(n_rows, device=layout.device)
+    # right=True skips zero-length (ghost) slots: the first slot whose end is past the row holds it.
+    slot = torch.searchsorted(layout[1:].contiguous(), rows, right=True)
+    pos = rows - layout.gather(0, slot)
+    lengths = torch.cat([cu[1:] - cu[:-1], cu.new_zeros(1)])  # slot == capacity (tail) reads 0
+    length = lengths.gather(0, slot)
+    return RowLayout(slot, pos, length, pos < length)
+
+
+def _row_layouts(q: Tensor, k: Tensor, params: PackedSeqParams) -> tuple[RowLayout, RowLayout]:
+    rows_q = row_layout(params, "q", q.shape[0])
+    shared = (
+        params.cu_seqlens_kv is params.cu_seqlens_q
+        and params.cu_seqlens_kv_padded is params.cu_seqlens_q_padded
+        and k.shape[0] == q.shape[0]
+    )
+    return rows_q, (rows_q if shared else row_layout(params, "kv", k.shape[0]))
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams) -> None:
+    """Shape/dtype/device checks that need no device values (cheap enough to run on every call)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"varlen_attention: {name} must be a [tokens, heads, head_dim] tensor, got {shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"varlen_attention: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"varlen_attention: head_dim differs: q has {q.shape[2]}, k/v have {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"varlen_attention: q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]}) (GQA)"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"varlen_attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"varlen_attention: q/k/v devices differ: {q.device}, {k.device}, {v.device}")
+    if params.qkv_format != "thd":
+        raise PackedSeqParamsError("qkv_format", "varlen_attention needs 'thd'", f"got {params.qkv_format!r}")
+    for which, rows in (("q", q.shape[0]), ("kv", k.shape[0])):
+        name = f"cu_seqlens_{which}"
+        cu = getattr(params, name)
+        if cu is None:
+            raise PackedSeqParamsError(name, "required for qkv_format='thd'")
+        if cu.dtype != torch.int32 or cu.dim() != 1:
+            raise PackedSeqParamsError(name, "must be a 1-D int32 tensor", f"got {cu.dtype} {list(cu.shape)}")
+        if cu.device != q.device:
+            raise PackedSeqParamsError(name, "must be on the tensors' device", f"{cu.device} vs {q.device}")
+        padded = getattr(params, f"{name}_padded")
+        if padded is not None and padded.shape != cu.shape:
+            raise PackedSeqParamsError(f"{name}_padded", "shape differs from its unpadded twin")
+        # Offsets past the stream would read out of bounds in the kernel; when the host knows them, check free.
+        host = params.host_offsets or {}
+        layout_name = f"{name}_padded" if padded is not None else name
+        if layout_name in host and host[layout_name][-1] > rows:
+            raise PackedSeqParamsError(
+                layout_name, "last offset exceeds the tensor's rows", f"{host[layout_name][-1]} > {rows}"
+            )
+    if params.cu_seqlens_kv.shape != params.cu_seqlens_q.shape:
+        raise PackedSeqParamsError("cu_seqlens_kv", "q/kv capacity mismatch")
+
+
+# ---------------------------------------------------------------------------------------------------- reference
+def varlen_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    packed_seq_params: PackedSeqParams,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> Tensor:
+    """Exact varlen attention with a block-diagonal (causal) mask built on the device.
+
+    Same contract as :func:`varlen_attention` (module docstring). Computes in the input dtype, upcast to
+    float32 for half types. Memory is O(Hq * Tq * Tk): meant for tests, CPU training with small T, and
+    shapes FlashAttention does not take. Differentiable; graph-safe (no host sync).
+    """
+    _check_inputs(q, k, v, packed_seq_params)
+    return _reference_attention(q, k, v, packed_seq_params, causal=causal, softmax_scale=softmax_scale)
+
+
+def _reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, packed_seq_params: PackedSeqParams, *, causal: bool, softmax_scale: float | None
+) -> Tensor:
+    rows_q, rows_k = _row_layouts(q, k, packed_seq_params)
+    mask = (rows_q.slot[:, None] == rows_k.slot[None, :]) & rows_q.live[:, None] & rows_k.live[None, :]
+    if causal:
+        # Bottom-right alignment (FA2): shift = len_kv - len_q of the query's own sequence.
+        len_kv_of_q_slot = torch.cat([_lengths(packed_seq_params.cu_seqlens_kv), rows_q.length.new_zeros(1)])
+        shift = len_kv_of_q_slot.gather(0, rows_q.slot) - rows_q.length
+        mask = mask & (rows_k.pos[None, :] <= (rows_q.pos + shift)[:, None])
+
+    compute = torch.float32 if q.dtype in _FLASH_DTYPES else q.dtype
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    qf = q.to(compute).reshape(tq, hkv, hq // hkv, d)
+    scores = torch.einsum("qhgd,khd->hgqk", qf, k.to(compute)) * scale
+    # A finite fill, not -inf: rows with no visible key (dead rows) get a uniform softmax that the second
+    # fill zeroes, so neither the output nor the gradient ever sees a NaN.
+    scores = scores.masked_fill(~mask, torch.finfo(compute).min)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)
+    out = torch.einsum("hgqk,khd->qhgd", probs, v.to(compute))
+    return out.reshape(tq, hq, d).to(q.dtype)
+
+
+def _lengths(cu: Tensor) -> Tensor:
+    cu = cu.long()
+    return cu[1:] - cu[:-1]
+
+
+# ---------------------------------------------------------------------------------------------------- FA2 path
+@dataclass(frozen=True)
+class _VarlenAPI:
+    """How to call one torch version's ``varlen_attn``; built once from its signature.
+
+    torch 2.10 takes ``is_causal``; 2.11 takes ``window_size`` ((-1, 0) is causal) and ``scale``; 2.12+ adds
+    ``enable_gqa``.
+    """
+
+    fn: Callable[..., Tensor]
+    causal_kw: str
+    has_scale: bool
+    has_enable_gqa: bool
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Tensor]) -> _VarlenAPI:
+        names = inspect.signature(fn).parameters
+        if "window_size" in names:
+            causal_kw = "window_size"
+        elif "is_causal" in names:
+            causal_kw = "is_causal"
+        else:
+            raise RuntimeError(f"varlen_attn{inspect.signature(fn)} takes neither window_size nor is_causal")
+        return cls(fn, causal_kw, "scale" in names, "enable_gqa" in names)
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_q: Tensor,
+        cu_k: Tensor,
+        max_q: int,
+        max_k: int,
+        *,
+        causal: bool,
+        softmax_scale: float | None,
+    ) -> Tensor:
+        kwargs: dict = {}
+        if self.causal_kw == "window_size":
+            kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+        else:
+            kwargs["is_causal"] = causal
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            if self.has_enable_gqa:
+                kwargs["enable_gqa"] = True
+                # FA2 swaps heads into the sequence axis when max_seqlen_q == 1 under GQA, which assumes one
+                # row per sequence; our stream has more (padding, tail). A larger static bound is harmless.
+                max_q = max(max_q, 2)
+            else:
+                k, v = _repeat_kv(k, group), _repeat_kv(v, group)
+        if softmax_scale is not None:
+            if self.has_scale:
+                kwargs["scale"] = float(softmax_scale)
+            else:
+                # The kernel's own scale is 1/sqrt(D); fold the ratio into q.
+                q = q * (float(softmax_scale) * math.sqrt(q.shape[-1]))
+        return self.fn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+def _repeat_kv(x: Tensor, group: int) -> Tensor:
+    t, h, d = x.shape
+    return x[:, :, None, :].expand(t, h, group, d).reshape(t, h * group, d)
+
+
+@lru_cache(maxsize=1)
+def _torch_varlen_api() -> _VarlenAPI | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return _VarlenAPI.from_function(varlen_attn)
+
+
+def flash_offsets(packed_seq_params: PackedSeqParams) -> tuple[Tensor, Tensor]:
+    """The (q, kv) offsets FlashAttention runs on: int32, built on the device, fixed shape.
+
+    Without padded twins these are ``cu_seqlens_q`` / ``cu_seqlens_kv``. With them, a kernel that only knows
+    contiguous segments cannot skip padding, so each side becomes ``2 * capacity + 1`` interleaved offsets
+    ``[p0, p0 + l0, p1, p1 + l1, ..., p_n]``: real and padding segments alternate, padding segments attend
+    only among themselves, and their rows are zeroed afterwards. Exact for causal and non-causal alike.
+    """
+
+    def interleave(which: str) -> Tensor:
+        layout = packed_seq_params.layout_offsets(which)
+        cu = getattr(packed_seq_params, f"cu_seqlens_{which}")
+        starts = layout[:-1]
+        ends = starts + (cu[1:] - cu[:-1])
+        return torch.cat([torch.stack([starts, ends], dim=1).reshape(-1), layout[-1:]])
+
+    p = packed_seq_params
+    if p.cu_seqlens_q_padded is None and p.cu_seqlens_kv_padded is None:
+        return p.cu_seqlens_q, p.cu_seqlens_kv
+    cu_q = interleave("q")
+    same = p.cu_seqlens_kv is p.cu_seqlens_q and p.cu_seqlens_kv_padded is p.cu_seqlens_q_padded
+    return cu_q, (cu_q if same else interleave("kv"))
+
+
+class _ZeroDeadRowGrad(torch.autograd.Function):
+    """Identity forward; the backward zeroes the gradient of dead rows.
+
+    FlashAttention never writes dq/dk/dv rows outside its segments (the tail) nor rows past ``max_seqlen``
+    in an over-long padding segment: those hold uninitialised memory, possibly NaN. ``where`` (not a
+    multiply) replaces them with exact zeros.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, live: Tensor) -> Tensor:
+        ctx.save_for_backward(live)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (live,) = ctx.saved_tensors
+        return torch.where(live[:, None, None], grad, 0), None
+
+
+def _flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: PackedSeqParams,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+    api: _VarlenAPI,
+) -> Tensor:
+    for name in ("max_seqlen_q", "max_seqlen_kv"):
+        if not isinstance(getattr(params, name), int):
+            raise PackedSeqParamsError(name, "required (a static Python int) for FlashAttention")
+    rows_q, rows_k = _row_layouts(q, k, params)
+    cu_q, cu_k = flash_offsets(params)
+    if q.requires_grad:
+        q = _ZeroDeadRowGrad.apply(q, rows_q.live)
+    if k.requires_grad:
+        k = _ZeroDeadRowGrad.apply(k, rows_k.live)
+    if v.requires_grad:
+        v = _ZeroDeadRowGrad.apply(v, rows_k.live)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = api(
+        q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal=causal, softmax_scale=softmax_scale
+    )
+    # The kernel leaves dead rows unwritten (garbage, possibly NaN): select zeros, don't multiply.
+    return torch.where(rows_q.live[:, None, None], out, 0)
+
+
+def _flash_eligible(q: Tensor) -> bool:
+    d = q.shape[-1]
+    return q.is_cuda and q.dtype in _FLASH_DTYPES and d % 8 == 0 and d <= _FLASH_MAX_HEAD_DIM
+
+
+# ---------------------------------------------------------------------------------------------------- public
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    packed_seq_params: PackedSeqParams,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> Tensor:
+    """Attention over packed sequences: ``[Tq, Hq, D]`` x ``[Tk, Hkv, D]`` -> ``[Tq, Hq, D]``.
+
+    See the module docstring for the layout, GQA, dead-row and causal-alignment contract.
+
+    Dispatch: CUDA tensors in fp16/bf16 with ``head_dim % 8 == 0`` and ``head_dim <= 256`` run torch's
+    FlashAttention-2 varlen op (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10), which has a backward
+    and is CUDA-graph capturable; it needs static ``max_seqlen_q`` / ``max_seqlen_kv`` (Python ints) that
+    bound every real length. Everything else runs :func:`varlen_attention_reference`.
+
+    Args:
+        q: ``[Tq, Hq, D]``.
+        k, v: ``[Tk, Hkv, D]``, ``Hq % Hkv == 0``, same dtype and device as q.
+        packed_seq_params: ``qkv_format="thd"`` params whose offsets live on q's device.
+        causal: causal mask within each sequence (bottom-right aligned when q/kv lengths differ).
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+
+    Raises:
+        ValueError: bad shapes/dtypes/devices (``PackedSeqParamsError`` for the params).
+        RuntimeError: the FA2 path is needed but this torch has no ``varlen_attn``.
+    """
+    _check_inputs(q, k, v, packed_seq_params)
+    if _flash_eligible(q):
+        api = _torch_varlen_api()
+        if api is None:
+            raise RuntimeError(
+                f"varlen_attention on CUDA {q.dtype} needs torch.nn.attention.varlen.varlen_attn "
+                f"(torch >= {_MIN_TORCH_FOR_FLASH}); this is torch {torch.__version__}. "
+                "Upgrade torch, or pass float32 tensors to use the exact (O(T^2)) reference."
+            )
+        return _flash_attention(q, k, v, packed_seq_params, causal=causal, softmax_scale=softmax_scale, api=api)
+    return _reference_attention(q, k, v, packed_seq_params, causal=causal, softmax_scale=softmax_scale)

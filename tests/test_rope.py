@@ -1,0 +1,109 @@
+"""apply_rope_thd / rope_positions against a per-document loop with positions written by hand (float64)."""
+
+import pytest
+import torch
+
+from packgraph import PackedSeqParams
+from packgraph.ops import apply_rope_thd, rope_positions
+
+F64 = torch.float64
+
+
+def rotate_token(x, position, base):
+    """Rotate-half RoPE of one token x [H, D]: pairs (i, i + D/2) rotate by position * base**(-2i/D)."""
+    d = x.shape[-1]
+    half = d // 2
+    out = torch.empty_like(x)
+    for i in range(half):
+        theta = torch.tensor(position * base ** (-2.0 * i / d), dtype=F64)
+        c, s = torch.cos(theta), torch.sin(theta)
+        a, b = x[:, i], x[:, i + half]
+        out[:, i] = a * c - b * s
+        out[:, i + half] = b * c + a * s
+    return out
+
+
+def hand_positions(lengths, capacity, total_tokens, pad):
+    """Positions restart at each (padded) document start; padding and the tail keep counting from their start."""
+    starts, offset = [], 0
+    for n in lengths:
+        starts.append(offset)
+        offset += -(-n // pad) * pad
+    starts += [offset] * (capacity - len(lengths) + 1)  # ghost slots and the tail begin at the last offset
+    positions = []
+    for row in range(total_tokens):
+        start = max(s for s in starts if s <= row)
+        positions.append(row - start)
+    return positions
+
+
+CASES = {
+    "plain": ([5, 3, 7], 3, 15, 1),
+    "ghosts_and_tail": ([4, 0, 1, 2], 7, 12, 1),
+    "padded_4": ([5, 1, 0, 3], 6, 24, 4),
+    "padded_8_tail": ([9, 2], 3, 30, 8),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_positions_by_hand(case):
+    lengths, capacity, total, pad = CASES[case]
+    params = PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=total, pad_to_multiple=pad)
+    positions = rope_positions(params, total)
+    assert positions.dtype == torch.int64 and positions.shape == (total,)
+    assert positions.tolist() == hand_positions(lengths, capacity, total, pad)
+
+
+@pytest.mark.parametrize("base", [10000.0, 500.0])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_per_document_loop(case, base):
+    lengths, capacity, total, pad = CASES[case]
+    params = PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=total, pad_to_multiple=pad)
+    x = torch.randn(total, 3, 8, generator=torch.Generator().manual_seed(0), dtype=F64)
+    out = apply_rope_thd(x, params, base=base)
+    # Real tokens, document by document, positions 0..len-1 within each document.
+    want = x.clone()
+    start = 0
+    for n in lengths:
+        for p in range(n):
+            want[start + p] = rotate_token(x[start + p], p, base)
+        start += -(-n // pad) * pad
+    live = torch.zeros(total, dtype=torch.bool)
+    start = 0
+    for n in lengths:
+        live[start : start + n] = True
+        start += -(-n // pad) * pad
+    torch.testing.assert_close(out[live], want[live], rtol=1e-12, atol=1e-12)
+    assert out.shape == x.shape and out.dtype == x.dtype
+
+
+def test_position_ids_override():
+    params = PackedSeqParams.from_seqlens([4, 6], capacity=3, total_tokens=12)
+    x = torch.randn(12, 2, 6, generator=torch.Generator().manual_seed(1), dtype=F64)
+    position_ids = torch.tensor([7, 8, 9, 10, 100, 101, 102, 103, 104, 105, 0, 3])  # e.g. a context-parallel shard
+    want = torch.stack([rotate_token(x[r], int(position_ids[r]), 10000.0) for r in range(12)])
+    torch.testing.assert_close(apply_rope_thd(x, params, position_ids=position_ids), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(apply_rope_thd(x, params, position_ids=position_ids[None]), want, rtol=1e-12, atol=1e-12)
+
+
+def test_low_precision_and_gradients():
+    params = PackedSeqParams.from_seqlens([5, 3, 2], capacity=4, total_tokens=12, pad_to_multiple=2)
+    x = torch.randn(12, 2, 16, generator=torch.Generator().manual_seed(2), dtype=F64)
+    want = apply_rope_thd(x, params)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        out = apply_rope_thd(x.to(dtype), params)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.to(F64), want, rtol=tol, atol=tol)
+    # RoPE is a rotation: the gradient of <rope(x), w> is rope^T(w), checked against finite differences.
+    leaf = x[:, :, :4].clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: apply_rope_thd(t, params, base=50.0), (leaf,))
+
+
+def test_rejects_bad_inputs():
+    params = PackedSeqParams.from_seqlens([3, 3])
+    with pytest.raises(ValueError, match="even"):
+        apply_rope_thd(torch.randn(6, 2, 5), params)
+    with pytest.raises(ValueError, match="tokens, heads, head_dim"):
+        apply_rope_thd(torch.randn(6, 8), params)
+    with pytest.raises(ValueError, match="position_ids"):
+        apply_rope_thd(torch.randn(6, 2, 4), params, position_ids=torch.arange(5))
