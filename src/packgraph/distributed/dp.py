@@ -1,0 +1,169 @@
+"""Data parallelism that works with graphed layers: explicit gradient all-reduce after backward.
+
+Why not ``DistributedDataParallel``: DDP all-reduces from autograd hooks that fire as each gradient is
+produced. A captured backward graph writes its parameter gradients by replaying kernels, and depending on how
+the graph engine hands them back (accumulating into ``.grad`` itself, or at the end of the replay) the hooks may
+fire at a different time, once for a whole layer, or not at all. Reducing *after* ``backward()`` is correct
+whatever the engine does, and costs one collective per bucket (``bucket_cap_mb``), issued back to back.
+
+The recipe (each rank, one optimizer step)::
+
+    batches = shard_batches(all_batches, rank, world)          # same deterministic order on every rank
+    count = global_token_count(sum(b.num_real_tokens for b in step_batches), group, device=device)
+    for b in step_batches:
+        _, loss = model(b)                                      # the local masked mean over b's targets
+        (loss * (b.num_real_tokens / count)).backward()         # -> sum over b's targets / global count
+    allreduce_gradients(model.parameters(), group)              # SUM over ranks
+    optimizer.step()
+
+The weights make every target token count ``1 / global_count`` wherever it is, so the summed gradients equal
+single-process training on the union of all ranks' batches. ``global_token_count`` is one small all-reduce per
+step; the local count is known on the host (``PackedBatch.num_real_tokens`` reads ``doc_lengths``, the packer's
+host offsets), so no device sync is needed to issue it, and its result stays on the device.
+
+With context parallelism, the ranks of a CP group hold shards of the *same* batch: count each batch once (use
+the unsharded batch's count on one CP rank and 0 on the others, or reduce over the DP group only) and reduce the
+gradients over the DP x CP group.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+__all__ = ["allreduce_gradients", "broadcast_parameters", "global_token_count", "shard_batches"]
+
+T = TypeVar("T")
+
+
+def shard_batches(batches: Iterable[T], rank: int, world: int, *, drop_last: bool = True) -> Iterator[T]:
+    """This rank's batches: item ``rank`` of every consecutive group of ``world`` items, in order.
+
+    Every rank must see the same ``batches`` in the same order (e.g. ``batches_from_corpus`` over the same
+    documents: packing is deterministic). Items are taken lazily; the others are skipped (a lazy
+    ``CorpusBatches`` still builds them; shard the bins of a ``Packing`` instead to avoid that).
+
+    Args:
+        drop_last: drop a last, incomplete group so every rank runs the same number of steps (the default;
+            ranks that run different step counts deadlock in the gradient all-reduce). With ``False`` the
+            ranks past the end of the last group get one item fewer.
+    """
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
+    it = iter(batches)
+    while True:
+        group = list(itertools.islice(it, world))
+        if len(group) < world and (drop_last or len(group) <= rank):
+            return
+        yield group[rank]
+
+
+def global_token_count(
+    local_count: int | Tensor, group: Any = None, *, device: torch.device | str | None = None
+) -> Tensor:
+    """Sum of every rank's count of real target tokens: int64 scalar tensor on ``device``.
+
+    One small all-reduce (8 bytes). Pass the host-known count (``PackedBatch.num_real_tokens``) so issuing it
+    needs no device sync; the result stays on the device, ready to divide a loss. ``device`` defaults to the
+    tensor's device, else CUDA's current device for an NCCL group and the CPU for gloo.
+    """
+    if isinstance(local_count, Tensor):
+        count = local_count.detach().to(torch.int64).reshape(())
+        if device is not None:
+            count = count.to(device)
+        else:
+            count = count.clone()
+    else:
+        count = torch.tensor(int(local_count), dtype=torch.int64, device=device or _default_device(group))
+    if _world(group) > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    return count
+
+
+def allreduce_gradients(
+    parameters: Iterable[nn.Parameter] | nn.Module,
+    group: Any = None,
+    *,
+    average: bool = False,
+    bucket_cap_mb: float = 25.0,
+) -> None:
+    """Sum (or average) every parameter's ``.grad`` across ``group``, in place, after ``backward()``.
+
+    Gradients are flattened into buckets of at most ``bucket_cap_mb`` per dtype and device (one all-reduce each)
+    and copied back into the existing ``.grad`` tensors (their storage is kept: a graph that accumulates into
+    them stays valid). Parameters that require grad but have ``.grad is None`` on this rank get a zero gradient,
+    so every rank issues the same buckets (a mismatch would hang). Tied parameters are reduced once.
+
+    Args:
+        parameters: a module or its parameters, in the same order on every rank.
+        average: divide by the group size (DDP's convention); the default sums, for losses already normalised
+            by the global token count (module docstring).
+    """
+    params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+    unique = list({id(p): p for p in params if p.requires_grad}.values())
+    world = _world(group)
+    if world == 1 and not average:
+        return
+    for p in unique:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    cap = max(int(bucket_cap_mb * 2**20), 1)
+    for bucket in _buckets([p.grad for p in unique], cap):
+        flat = _flatten_dense_tensors(bucket)
+        if world > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        if average:
+            flat.div_(world)
+        for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            grad.copy_(reduced)
+
+
+def broadcast_parameters(module: nn.Module, *, src: int = 0, group: Any = None) -> None:
+    """Copy ``src``'s parameters and buffers to every rank of ``group`` (identical starting weights).
+
+    ``src`` is a global rank. One broadcast per tensor, in ``state_dict`` order (the same on every rank).
+    """
+    if _world(group) == 1:
+        return
+    with torch.no_grad():
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            dist.broadcast(t.data, src=src, group=group)
+
+
+def _buckets(grads: Sequence[Tensor], cap_bytes: int) -> Iterator[list[Tensor]]:
+    """Consecutive runs of same-(dtype, device) tensors, each at most ``cap_bytes`` (a bigger tensor goes alone)."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for g in grads:
+        if g.is_sparse:
+            raise ValueError("allreduce_gradients: sparse gradients are not supported")
+        by_kind.setdefault((g.dtype, g.device), []).append(g)
+    for tensors in by_kind.values():
+        bucket: list[Tensor] = []
+        size = 0
+        for g in tensors:
+            nbytes = g.numel() * g.element_size()
+            if bucket and size + nbytes > cap_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(g)
+            size += nbytes
+        if bucket:
+            yield bucket
+
+
+def _world(group: Any) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _default_device(group: Any) -> torch.device:
+    if _world(group) > 1 and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
