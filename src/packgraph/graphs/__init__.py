@@ -1,0 +1,20 @@
+"""The graph engine: capture packed-sequence callables into CUDA graphs, forward and backward, and replay them.
+
+* :func:`capture` one callable; :func:`capture_layers` a layer stack into one memory pool.
+* :class:`GraphSignatureError`: a call does not match its graph's static signature (``on_mismatch="error"``).
+* :func:`find_host_syncs` / :class:`HostSync`: what stops a callable from being captured, line by line.
+"""
+
+from packgraph.graphs.cache import GraphSignatureError
+from packgraph.graphs.capture import GraphedCallable, capture, capture_layers
+from packgraph.graphs.safety import GraphCaptureError, HostSync, find_host_syncs
+
+__all__ = [
+    "capture",
+    "capture_layers",
+    "GraphedCallable",
+    "GraphSignatureError",
+    "GraphCaptureError",
+    "find_host_syncs",
+    "HostSync",
+]

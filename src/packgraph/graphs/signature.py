@@ -1,0 +1,482 @@
+"""Call signatures: everything a captured graph bakes in, computed cheaply on every call. Pure Python, no CUDA.
+
+A call ``graphed(*args, **kwargs)`` is split into
+
+* **dynamic inputs** (``dyn``): every tensor found in the args and kwargs (containers are walked with
+  ``torch.utils._pytree``), and every :class:`~packgraph.params.PackedSeqParams`, as a :class:`PreparedParams`
+  whose tensors are the graph inputs. Their *values* change per call; they are copied into static buffers.
+* a **signature** (:class:`CallSignature`), hashable, that a graph is valid for: the call structure, each
+  tensor's shape, dtype, device and ``requires_grad`` (plus, for inputs read in place from another graph's
+  output, which output: see ``chain_of``), each PackedSeqParams' static signature and which of its fields share
+  one tensor, the non-tensor values, ``module.training`` and the autocast state.
+
+Order is fixed: positional args in order, then kwargs sorted by name, each walked depth-first in pytree order.
+:func:`rebuild_call` walks the same order to put static buffers in the place of the dynamic inputs.
+
+PackedSeqParams go through a :class:`ParamsPreparer` first: validation (before anything is copied), the bucket
+mapping and ``attention_view``. Its result is cached per params *object* (keyed on ``id`` and checked against
+the object's fields and its tensors' version counters), so a model that passes one params object to N layers
+validates and buckets it once.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from packgraph.params import DYNAMIC_FIELDS, PackedSeqParams, StaticSignature
+
+__all__ = [
+    "VALIDATE_MODES",
+    "CallSignature",
+    "ParamsKey",
+    "PreparedParams",
+    "ParamsPreparer",
+    "flatten_call",
+    "rebuild_call",
+    "signature_diff",
+    "describe_key",
+]
+
+VALIDATE_MODES: tuple[str, ...] = ("host", "sync", "debug", "off")
+
+# Tags of the per-leaf keys. Keys are plain tuples because one is built per tensor per call.
+_TENSOR = "tensor"
+_TREE = "tree"
+_STATIC = "static"
+_PARAM_FIELDS = (*DYNAMIC_FIELDS, "seq_idx")
+
+
+class CallSignature(NamedTuple):
+    """The static signature of one call. Hashable; equal signatures can share a graph."""
+
+    args: tuple
+    kwargs: tuple
+    training: bool | None
+    autocast: Any
+
+
+class ParamsKey:
+    """A PackedSeqParams' :class:`StaticSignature` plus which fields share one tensor (``aliases``), hashable.
+
+    The hash is computed once: the key is reused for every call with the same params object.
+    """
+
+    __slots__ = ("signature", "aliases", "_hash")
+
+    def __init__(self, signature: StaticSignature, aliases: tuple[tuple[str, ...], ...]) -> None:
+        self.signature = signature
+        self.aliases = aliases
+        self._hash = hash((signature, aliases))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (
+            isinstance(other, ParamsKey)
+            and self._hash == other._hash
+            and self.aliases == other.aliases
+            and self.signature == other.signature
+        )
+
+    def __repr__(self) -> str:
+        return f"ParamsKey({self.signature}, aliases={self.aliases})"
+
+
+class _Identity:
+    """Stands for an unhashable static value in a signature: equal only to the same object."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __repr__(self) -> str:
+        return f"<{type(self.obj).__name__} @ {id(self.obj):#x}>"
+
+
+class _Spec:
+    """A pytree ``TreeSpec`` in a signature: hashable whatever the torch version's ``TreeSpec`` offers."""
+
+    __slots__ = ("spec", "_hash")
+
+    def __init__(self, spec: pytree.TreeSpec) -> None:
+        self.spec = spec
+        try:
+            self._hash = hash(spec)
+        except TypeError:
+            self._hash = hash(str(spec))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Spec) and self._hash == other._hash and self.spec == other.spec
+
+    def __repr__(self) -> str:
+        return str(self.spec)
+
+
+class PreparedParams:
+    """A PackedSeqParams ready for a graph: validated, bucketed, reduced to what the graph may see.
+
+    Attributes:
+        params: the prepared params (what the captured callable sees, rebuilt on static buffers).
+        key: their :class:`ParamsKey`.
+        tensors: the distinct tensors of ``params`` in field order: the graph inputs.
+        fields: for each of ``tensors``, the field names that hold it.
+    """
+
+    __slots__ = ("params", "key", "tensors", "fields", "_source", "_values", "_versions", "_source_tensors")
+
+    def __init__(self, source: PackedSeqParams, params: PackedSeqParams) -> None:
+        groups: dict[int, list[str]] = {}
+        tensors: list[Tensor] = []
+        for name in _PARAM_FIELDS:
+            t = getattr(params, name)
+            if t is None:
+                continue
+            if id(t) not in groups:
+                groups[id(t)] = []
+                tensors.append(t)
+            groups[id(t)].append(name)
+        self.params = params
+        self.tensors = tuple(tensors)
+        self.fields = tuple(tuple(groups[id(t)]) for t in tensors)
+        self.key = ParamsKey(params.static_signature(), self.fields)
+        self._source = weakref.ref(source)
+        self._values = tuple(vars(source).values())
+        self._source_tensors = tuple({id(t): t for t in source.graph_inputs().values()}.values())
+        self._versions = _versions(self._source_tensors)
+
+    def is_current_for(self, source: PackedSeqParams) -> bool:
+        """True when ``source`` is the object this was prepared from, with no field reassigned and no tensor
+        modified in place since (version counters). Tensors with no version counter never match."""
+        if self._source() is not source or self._versions is None:
+            return False
+        if not all(map(operator.is_, vars(source).values(), self._values)):
+            return False
+        return _versions(self._source_tensors) == self._versions
+
+    def rebuild(self, buffers: Sequence[Tensor]) -> PackedSeqParams:
+        """The prepared params on ``buffers`` (one per entry of ``tensors``), as the captured callable sees them."""
+        inputs = {name: buf for names, buf in zip(self.fields, buffers, strict=True) for name in names}
+        return PackedSeqParams.from_graph_inputs(inputs, self.key.signature)
+
+
+def _versions(tensors: Sequence[Tensor]) -> tuple[int, ...] | None:
+    try:
+        return tuple(t._version for t in tensors)
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+class ParamsPreparer:
+    """Validates, buckets and trims PackedSeqParams before they reach a graph; caches the result per object.
+
+    Args:
+        validate: ``"host"`` checks values from ``host_offsets`` (no sync; device-only params get the structural
+            checks), ``"sync"`` also checks device-only params with one device-to-host read per new params
+            object, ``"debug"`` is ``"host"`` here (the engine adds ``torch._assert_async`` checks inside the
+            graph), ``"off"`` checks nothing.
+        buckets: a ``BucketPolicy`` (anything with ``apply(params) -> params``): params are re-padded to their
+            bucket before the signature is taken.
+        keep_mamba_fields: keep ``total_tokens``/``seq_idx``; by default ``attention_view()`` drops them so they
+            neither enter the graph nor force a recapture when they change.
+        cache_size: how many recent params objects to remember.
+
+    Validation runs on the caller's params, before the bucket mapping and before anything is copied into a
+    graph's static buffers, so a rejected call leaves every graph as it was.
+    """
+
+    def __init__(
+        self, *, validate: str = "host", buckets: Any = None, keep_mamba_fields: bool = False, cache_size: int = 8
+    ) -> None:
+        if validate not in VALIDATE_MODES:
+            raise ValueError(f"validate must be one of {VALIDATE_MODES}, got {validate!r}")
+        self.validate = validate
+        self.buckets = buckets
+        self.keep_mamba_fields = keep_mamba_fields
+        self.cache_size = cache_size
+        self._cache: OrderedDict[int, PreparedParams] = OrderedDict()
+
+    def __call__(self, params: PackedSeqParams) -> PreparedParams:
+        prepared = self._cache.get(id(params))
+        if prepared is not None and prepared.is_current_for(params):
+            return prepared
+        prepared = self._prepare(params)
+        self._cache[id(params)] = prepared
+        self._cache.move_to_end(id(params))
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return prepared
+
+    def _prepare(self, params: PackedSeqParams) -> PreparedParams:
+        if self.validate != "off":
+            params.validate(sync=self.validate == "sync")
+        out = params
+        if self.buckets is not None:
+            out = self.buckets.apply(out)  # ValueError when no bucket fits: its message says which ladder
+        if not self.keep_mamba_fields:
+            out = out.attention_view()
+        return PreparedParams(params, out)
+
+
+# --------------------------------------------------------------------------------------------- flattening
+def _is_container(x: Any) -> bool:
+    return isinstance(x, (tuple, list, dict)) or type(x) in pytree.SUPPORTED_NODES
+
+
+def _static_key(x: Any) -> Any:
+    if x is None:
+        return None
+    try:
+        hash(x)
+    except TypeError:
+        return (_STATIC, type(x), _Identity(x))
+    # the type is part of the key: 1, 1.0 and True hash alike but may trace differently
+    return (_STATIC, type(x), x)
+
+
+def flatten_call(
+    args: tuple,
+    kwargs: Mapping[str, Any],
+    prepare: Callable[[PackedSeqParams], PreparedParams],
+    chain_of: Callable[[Tensor], Any] | None = None,
+) -> tuple[tuple, tuple, list]:
+    """``(args_key, kwargs_key, dyn)`` for one call (see the module docstring).
+
+    Args:
+        prepare: maps each PackedSeqParams to its :class:`PreparedParams` (may raise: validation).
+        chain_of: optional; for a tensor, a token naming the other graph's static output it *is* (same memory),
+            or None. Such an input is read in place by the graph, so the token, the shape and the strides go
+            into its key.
+    """
+    dyn: list = []
+    args_key = tuple([_leaf_or_tree(a, dyn, prepare, chain_of) for a in args])
+    if not kwargs:
+        return args_key, (), dyn
+    kwargs_key = tuple([(k, _leaf_or_tree(kwargs[k], dyn, prepare, chain_of)) for k in sorted(kwargs)])
+    return args_key, kwargs_key, dyn
+
+
+def _leaf_or_tree(x: Any, dyn: list, prepare: Callable, chain_of: Callable | None) -> Any:
+    if isinstance(x, Tensor):
+        dyn.append(x)
+        if chain_of is not None:
+            token = chain_of(x)
+            if token is not None:
+                return (_TENSOR, x.shape, x.dtype, x.device, x.requires_grad, token, x.stride())
+        return (_TENSOR, x.shape, x.dtype, x.device, x.requires_grad)
+    if isinstance(x, PackedSeqParams):
+        prepared = prepare(x)
+        dyn.append(prepared)
+        return prepared.key
+    if _is_container(x):
+        leaves, spec = pytree.tree_flatten(x)
+        return (_TREE, _Spec(spec), tuple([_leaf(leaf, dyn, prepare, chain_of) for leaf in leaves]))
+    return _static_key(x)
+
+
+def _leaf(x: Any, dyn: list, prepare: Callable, chain_of: Callable | None) -> Any:
+    if isinstance(x, (Tensor, PackedSeqParams)):
+        return _leaf_or_tree(x, dyn, prepare, chain_of)
+    return _static_key(x)
+
+
+def rebuild_call(args: tuple, kwargs: Mapping[str, Any], substitutes: Sequence[Any]) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with each dynamic input replaced, in :func:`flatten_call` order, by ``substitutes``.
+
+    Used at capture time only (it is not on the replay path).
+    """
+    it = iter(substitutes)
+    new_args = tuple(_rebuild(a, it) for a in args)
+    new_kwargs = {k: _rebuild(kwargs[k], it) for k in sorted(kwargs)}
+    if next(it, _END) is not _END:
+        raise ValueError("rebuild_call: more substitutes than dynamic inputs")
+    return new_args, new_kwargs
+
+
+_END = object()
+
+
+def _rebuild(x: Any, it: Iterator) -> Any:
+    if isinstance(x, (Tensor, PackedSeqParams)):
+        return next(it)
+    if _is_container(x):
+        leaves, spec = pytree.tree_flatten(x)
+        return pytree.tree_unflatten(
+            [next(it) if isinstance(v, (Tensor, PackedSeqParams)) else v for v in leaves], spec
+        )
+    return x
+
+
+# --------------------------------------------------------------------------------------------- describing
+def describe_key(key: Any) -> str:
+    """A short human-readable form of one leaf key (used in logs and error messages)."""
+    if key is None:
+        return "None"
+    if isinstance(key, ParamsKey):
+        sig = key.signature
+        return (
+            f"PackedSeqParams(max_seqlen_q={sig.max_seqlen_q}, max_seqlen_kv={sig.max_seqlen_kv}, "
+            f"capacity={sig.capacity}, total_tokens={sig.total_tokens})"
+        )
+    tag = key[0]
+    if tag == _TENSOR:
+        chained = f", reads graph output #{key[5]}" if len(key) > 5 else ""
+        return f"Tensor({tuple(key[1])}, {key[2]}, {key[3]}, requires_grad={key[4]}{chained})"
+    if tag == _TREE:
+        node = key[1].spec.type
+        return f"{getattr(node, '__name__', 'tree')} of {len(key[2])} leaves"
+    return f"{key[1].__name__} {key[2]!r}"
+
+
+def signature_diff(captured: CallSignature, given: CallSignature) -> list[tuple[str, Any, Any]]:
+    """``[(field, captured_value, given_value), ...]`` for every field that differs between two signatures.
+
+    Field names read like code: ``args[0].shape``, ``args[1].max_seqlen_q``, ``kwargs['causal']``,
+    ``module.training``, ``autocast``.
+    """
+    out: list[tuple[str, Any, Any]] = []
+    if len(captured.args) != len(given.args):
+        out.append(("number of positional args", len(captured.args), len(given.args)))
+    for i, (a, b) in enumerate(zip(captured.args, given.args, strict=False)):
+        _diff_key(f"args[{i}]", a, b, out)
+    ck, gk = dict(captured.kwargs), dict(given.kwargs)
+    for name in sorted(set(ck) | set(gk)):
+        if name not in ck or name not in gk:
+            out.append(
+                (
+                    f"kwargs[{name!r}]",
+                    describe_key(ck[name]) if name in ck else "<absent>",
+                    describe_key(gk[name]) if name in gk else "<absent>",
+                )
+            )
+        else:
+            _diff_key(f"kwargs[{name!r}]", ck[name], gk[name], out)
+    if captured.training != given.training:
+        out.append(("module.training", captured.training, given.training))
+    if captured.autocast != given.autocast:
+        out.append(("autocast", captured.autocast or "off", given.autocast or "off"))
+    return out
+
+
+_TENSOR_PARTS = ("shape", "dtype", "device", "requires_grad")
+
+
+def _diff_key(path: str, a: Any, b: Any, out: list) -> None:
+    if a == b:
+        return
+    if isinstance(a, ParamsKey) and isinstance(b, ParamsKey):
+        for field, x, y in a.signature.diff(b.signature):
+            out.append((f"{path}.{field}", x, y))
+        if a.aliases != b.aliases:
+            out.append((f"{path}.shared tensors", a.aliases, b.aliases))
+        return
+    if _tag(a) == _TENSOR and _tag(b) == _TENSOR:
+        for j, part in enumerate(_TENSOR_PARTS, start=1):
+            x, y = a[j], b[j]
+            if x != y:
+                out.append((f"{path}.{part}", tuple(x) if part == "shape" else x, tuple(y) if part == "shape" else y))
+        if a[5:] != b[5:]:
+            out.append((f"{path}.source", _source(a), _source(b)))
+        return
+    if _tag(a) == _TREE and _tag(b) == _TREE:
+        if a[1] != b[1]:
+            out.append((f"{path}.structure", str(a[1]), str(b[1])))
+            return
+        for j, (x, y) in enumerate(zip(a[2], b[2], strict=True)):
+            _diff_key(f"{path}.leaf[{j}]", x, y, out)
+        return
+    out.append((path, describe_key(a), describe_key(b)))
+
+
+def _tag(key: Any) -> str | None:
+    return key[0] if isinstance(key, tuple) and key else None
+
+
+def _source(key: tuple) -> str:
+    return f"graph output #{key[5]} (strides {key[6]})" if len(key) > 5 else "a tensor copied in"
+
+
+def tensor_requires_grad(key: Any) -> bool:
+    """Whether a leaf key describes a tensor that requires grad."""
+    return _tag(key) == _TENSOR and bool(key[4])
+
+
+def is_chained(key: Any) -> bool:
+    """Whether a leaf key describes a tensor read in place from another graph's static output."""
+    return _tag(key) == _TENSOR and len(key) > 5
+
+
+def dyn_keys(signature: CallSignature) -> list[Any]:
+    """The leaf keys of the dynamic inputs, in ``dyn`` order (tensors and params only)."""
+    keys: list[Any] = []
+
+    def visit(key: Any) -> None:
+        if isinstance(key, ParamsKey) or _tag(key) == _TENSOR:
+            keys.append(key)
+        elif _tag(key) == _TREE:
+            for leaf in key[2]:
+                visit(leaf)
+
+    for key in signature.args:
+        visit(key)
+    for _, key in signature.kwargs:
+        visit(key)
+    return keys
+
+
+def identity_statics(signature: CallSignature) -> list[str]:
+    """Paths of static values keyed by identity (unhashable objects): a new object is a new signature."""
+    found: list[str] = []
+
+    def visit(path: str, key: Any) -> None:
+        if _tag(key) == _STATIC and isinstance(key[2], _Identity):
+            found.append(f"{path} ({key[1].__name__})")
+        elif _tag(key) == _TREE:
+            for j, leaf in enumerate(key[2]):
+                visit(f"{path}.leaf[{j}]", leaf)
+
+    for i, key in enumerate(signature.args):
+        visit(f"args[{i}]", key)
+    for name, key in signature.kwargs:
+        visit(f"kwargs[{name!r}]", key)
+    return found
+
+
+def autocast_state(device_type: str) -> Any:
+    """The autocast state a graph bakes in for ``device_type``: None when off, else the autocast dtype."""
+    if _is_autocast_enabled(device_type):
+        return _get_autocast_dtype(device_type)
+    return None
+
+
+def _is_autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # older torch: no device argument
+        return torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+
+
+def _get_autocast_dtype(device_type: str) -> torch.dtype:
+    if hasattr(torch, "get_autocast_dtype"):
+        return torch.get_autocast_dtype(device_type)
+    return torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
