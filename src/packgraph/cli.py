@@ -1,0 +1,502 @@
+"""``packgraph``: the command line (demo, train, score, bench, plot-convergence).
+
+Every command that writes artefacts writes them under an out dir it prints (default
+``./runs/<command>-<timestamp>``). Bad flags, values and paths exit with code 2 and a one-line message, no
+traceback (set ``PACKGRAPH_DEBUG=1`` to get the traceback of a rejected value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "build_parser", "CLIError"]
+
+
+class CLIError(Exception):
+    """A user error: printed as ``packgraph: error: <message>``, exit code 2."""
+
+
+# ---------------------------------------------------------------------------------------------- parsing helpers
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _ladder(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 256,512,1024, got {text!r}") from None
+    if not values or any(v < 1 for v in values) or any(b <= a for a, b in zip(values, values[1:], strict=False)):
+        raise argparse.ArgumentTypeError(f"a ladder is strictly increasing positive integers, got {text!r}")
+    return values
+
+
+def _out_path(args: argparse.Namespace, command: str) -> Path:
+    """The out dir to use (not created yet: commands create it only once every flag has been checked)."""
+    from packgraph.train import default_out_dir
+
+    out = Path(args.out_dir) if args.out_dir else default_out_dir(command)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out-dir {out} exists and is not a directory")
+    return out
+
+
+def _make_dir(out: Path) -> Path:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"cannot create --out-dir {out}: {e.strerror}") from None
+    return out
+
+
+def _add_common(p: argparse.ArgumentParser, *, T: int | None) -> None:
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=int, default=0, help="seed of init, data order and document splits")
+    p.add_argument("--T", type=_positive_int, default=T, help="rows (tokens) per packed micro-batch")
+    p.add_argument("--max-docs", type=_positive_int, default=None, help="use only the first N corpus files")
+    p.add_argument("--out-dir", default=None, help="where artefacts go (default ./runs/<command>-<timestamp>)")
+
+
+def _add_model_and_buckets(p: argparse.ArgumentParser) -> None:
+    from packgraph.models.gpt import PRESETS, SCOPES
+
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model size")
+    p.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run under CUDA graphs (default: on when the device is CUDA)",
+    )
+    p.add_argument("--scope", default="layer", choices=SCOPES, help="what is graphed (default layer)")
+    p.add_argument("--max-seqlen-ladder", type=_ladder, default=None, help="static max_seqlen rungs, e.g. 256,512,2048")
+    p.add_argument("--capacity-ladder", type=_ladder, default=None, help="cu_seqlens capacity rungs, e.g. 8,32,128")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="packgraph", description="Packed variable-length sequences (THD) under CUDA graphs."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    demo = sub.add_parser("demo", help="pack the embedded corpus and train a small GPT (eager; graphed too on CUDA)")
+    _add_common(demo, T=None)
+    _add_model_and_buckets(demo)
+    demo.add_argument("--steps", type=_positive_int, default=None, help="training steps (default 50 CPU, 100 CUDA)")
+
+    train = sub.add_parser("train", help="train the reference GPT on the embedded corpus")
+    _add_common(train, T=2048)
+    _add_model_and_buckets(train)
+    train.add_argument("--steps", type=_positive_int, default=200)
+    train.add_argument("--lr", type=float, default=None, help="peak learning rate (default per preset)")
+    train.add_argument("--warmup", type=int, default=None, help="warm-up steps (default min(100, steps/10))")
+    train.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step")
+    train.add_argument("--chunk-len", type=_positive_int, default=None, help="longest document piece (default T)")
+    train.add_argument("--min-chunk-len", type=_positive_int, default=64, help="shortest document piece")
+    train.add_argument("--resume", default=None, help="checkpoint file, or a run dir holding checkpoint.pt")
+    train.add_argument("--checkpoint-every", type=int, default=0, help="also keep checkpoint-<step>.pt every N steps")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-plot", action="store_true", help="no loss.png")
+    train.add_argument("--nproc", type=_positive_int, default=1, help="processes (GPUs) for data parallel")
+
+    score = sub.add_parser("score", help="per-token logprobs of packed batches, graphed vs eager")
+    _add_common(score, T=2048)
+    _add_model_and_buckets(score)
+    score.add_argument("--checkpoint", default=None, help="checkpoint file or run dir (default: a fresh init)")
+    score.add_argument("--batches", type=_positive_int, default=8, help="how many packed batches to score")
+    score.add_argument("--save-logprobs", action="store_true", help="also write logprobs.pt")
+
+    sub.add_parser("bench", help="benchmarks (packgraph bench --help)", add_help=False)
+
+    plot = sub.add_parser("plot-convergence", help="plot several train.jsonl loss curves; max smoothed difference")
+    plot.add_argument("--logs", nargs="+", required=True, help="train.jsonl files (the first is the reference)")
+    plot.add_argument("--labels", nargs="+", default=None, help="one label per log (default: parent dir names)")
+    plot.add_argument("--out", required=True, help="PNG to write (a .json summary is written next to it)")
+    plot.add_argument("--ema", type=float, default=0.95, help="EMA factor of the smoothing (default 0.95)")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------- commands
+def _device(name: str):
+    from packgraph.train import resolve_device
+
+    try:
+        return resolve_device(name)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
+def _check_graphs(graphs: bool | None, device) -> bool:
+    if graphs and device.type != "cuda":
+        raise CLIError("--graphs needs a CUDA device (CUDA graphs); use --no-graphs or run on a GPU")
+    return device.type == "cuda" if graphs is None else graphs
+
+
+def _train_config(args: argparse.Namespace, device, graphs: bool, out_dir: Path, **overrides: Any):
+    from packgraph.train import TrainConfig
+
+    preset = args.preset or "tiny"
+    lr = {"tiny": 3e-3, "small": 1e-3, "medium": 6e-4, "large": 3e-4}[preset]
+    cfg = TrainConfig(
+        preset=preset,
+        T=args.T,
+        lr=lr,
+        seed=args.seed,
+        device=str(device),
+        graphs=graphs,
+        scope=args.scope,
+        max_seqlen_ladder=args.max_seqlen_ladder,
+        capacity_ladder=args.capacity_ladder,
+        max_docs=args.max_docs,
+        out_dir=str(out_dir),
+    )
+    cfg = dataclasses.replace(cfg, **overrides)
+    try:
+        return cfg.validate()
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
+def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.nproc > 1:
+        from packgraph.distributed import launch  # lazily: the single-process path needs no torch.distributed
+
+        return int(launch(args.nproc, _without_nproc(argv)) or 0)
+    device = _device(args.device)
+    graphs = _check_graphs(args.graphs, device)
+    if args.resume:
+        from packgraph.train import _resolve_checkpoint
+
+        try:
+            _resolve_checkpoint(args.resume)
+        except FileNotFoundError as e:
+            raise CLIError(str(e)) from None
+    out_dir = _out_path(args, "train")
+    overrides: dict[str, Any] = dict(
+        steps=args.steps,
+        grad_accum=args.grad_accum,
+        warmup_steps=args.warmup if args.warmup is not None else min(100, args.steps // 10),
+        chunk_len=args.chunk_len,
+        min_chunk_len=args.min_chunk_len,
+        resume=args.resume,
+        checkpoint_every=args.checkpoint_every,
+        progress=not args.no_progress,
+        plot=not args.no_plot,
+    )
+    if args.lr is not None:
+        overrides["lr"] = args.lr
+    cfg = _train_config(args, device, graphs, out_dir, **overrides)
+    from packgraph.train import train
+
+    # Under torchrun (packgraph train --nproc N) only rank 0 writes and talks.
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if main_rank:
+        _make_dir(out_dir)
+        print(f"out dir: {out_dir}")
+    result = train(cfg)
+    if not main_rank:
+        return 0
+    n = max(1, min(10, len(result.losses) // 5))
+    print(
+        f"final loss {result.final_loss:.4f} (first {result.losses[0]:.4f}; mean of last {n} "
+        f"{sum(result.losses[-n:]) / n:.4f}); {result.tokens_per_s:,.0f} tokens/s steady "
+        f"({result.tokens_per_s_overall:,.0f} over all steps, captures included); "
+        f"median step {result.step_ms_median:.1f} ms; graph sets {result.num_graph_sets}, "
+        f"recaptures {result.recaptures}"
+    )
+    print(f"log: {result.log_path}")
+    if result.checkpoint_path:
+        print(f"checkpoint: {result.checkpoint_path}")
+    if result.plot_path:
+        print(f"plot: {result.plot_path}")
+    return 0
+
+
+def _without_nproc(argv: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from packgraph.data.corpus import corpus_stats
+    from packgraph.data.stream import DataStream, corpus_documents
+    from packgraph.packing import pack_sequences
+    from packgraph.train import compare_eager_graphed, train
+
+    device = _device(args.device)
+    graphs = _check_graphs(args.graphs, device)
+    cuda = device.type == "cuda"
+    out_dir = _out_path(args, "demo")
+    if args.preset is None:
+        args.preset = "small" if cuda else "tiny"
+    if args.T is None:
+        args.T = 4096 if cuda else 512
+    # CPU defaults keep the demo to seconds on a 2-core laptop (the README promises that).
+    max_docs = args.max_docs or (None if cuda else 200)
+    steps = args.steps or (100 if cuda else 50)
+    cfg = _train_config(
+        args,
+        device,
+        False,
+        out_dir,
+        steps=steps,
+        warmup_steps=max(1, steps // 10),
+        max_docs=max_docs,
+        progress=False,
+        save_checkpoint=False,
+    )
+    _make_dir(out_dir)
+    print(f"packgraph demo on {device}; out dir: {out_dir}")
+
+    docs = corpus_documents(cfg)
+    policy = cfg.bucket_policy()
+    print(f"corpus: {max_docs or 'all'} stdlib files cut into {corpus_stats(docs)}")
+    lengths = [len(d) for d in docs]
+    rows = []
+    for algorithm in ("ffd", "bfd", "nfd"):
+        p = pack_sequences(lengths, cfg.T, max_seqs_per_bin=policy.max_capacity, algorithm=algorithm)
+        rows.append([algorithm, str(len(p)), f"{p.efficiency:.4f}"])
+    print(f"\npacking into bins of T={cfg.T} rows (at most {policy.max_capacity} documents each):")
+    print(_table(rows, ["algorithm", "bins", "efficiency"]))
+
+    data = DataStream(docs, T=cfg.T, policy=policy, seed=cfg.seed)
+    counts: Counter = Counter()
+    fill: Counter = Counter()
+    for b in data.packing:
+        bucket = policy.bucket_for(max(data.packing.lengths[i] for i in b), len(b))
+        counts[bucket] += 1
+        fill[bucket] += sum(data.packing.lengths[i] for i in b)
+    print(f"\n{policy.describe()}; {len(counts)} used:")
+    rows = [
+        [str(b.max_seqlen), str(b.capacity), str(n), f"{n / len(data.packing):.1%}", f"{fill[b] / (n * cfg.T):.3f}"]
+        for b, n in sorted(counts.items())
+    ]
+    print(_table(rows, ["max_seqlen", "capacity", "batches", "share", "real-token fraction"]))
+
+    print(f"\ntraining {cfg.preset} for {steps} steps ({'bf16 autocast' if cuda else 'float32'}):")
+    if graphs:
+        name = f"graphed-{args.scope}"
+        report = compare_eager_graphed(cfg, scopes=(args.scope,), echo=print)
+        eager, graphed = report["runs"]["eager"], report["runs"][name]
+    else:
+        eager, graphed = train(dataclasses.replace(cfg, out_dir=str(out_dir / "eager"))), None
+    n = max(1, min(5, steps // 6))
+    start, end = sum(eager.losses[:n]) / n, sum(eager.losses[-n:]) / n
+    print(
+        f"\neager: loss {start:.3f} -> {end:.3f} (mean of first/last {n} steps; -{(start - end) / start:.0%}), "
+        f"{eager.tokens_per_s:,.0f} tokens/s, {eager.wall_s:.1f} s"
+    )
+    summary: dict[str, Any] = {"device": str(device), "preset": cfg.preset, "steps": steps, "T": cfg.T}
+    summary["eager"] = {
+        f"loss_mean_first_{n}": start,
+        f"loss_mean_last_{n}": end,
+        "final_loss": eager.final_loss,
+        "tokens_per_s": eager.tokens_per_s,
+    }
+    if graphed is not None:
+        diff = report["max_abs_loss_diff"][name]
+        speedup = report["speedup"][name]
+        print(
+            f"graphed (scope {args.scope}): final loss {graphed.final_loss:.4f} vs eager {eager.final_loss:.4f}, "
+            f"max |loss diff| over {steps} steps {diff:.2e}; {graphed.tokens_per_s:,.0f} tokens/s, "
+            f"speedup {speedup:.2f}x ({graphed.num_graph_sets} graph sets)"
+        )
+        summary[name] = {
+            "final_loss": graphed.final_loss,
+            "max_abs_loss_diff": diff,
+            "tokens_per_s": graphed.tokens_per_s,
+            "speedup": speedup,
+            "graph_sets": graphed.num_graph_sets,
+        }
+    elif not cuda:
+        print("(no CUDA here: the graphed run and the speedup need a GPU)")
+    (out_dir / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"artefacts: {out_dir}")
+    return 0
+
+
+def _load_model(args: argparse.Namespace, device):
+    import torch
+
+    from packgraph.models.gpt import GPT, GPTConfig
+    from packgraph.train import _resolve_checkpoint
+
+    if args.checkpoint:
+        try:
+            path = _resolve_checkpoint(args.checkpoint)
+        except FileNotFoundError as e:
+            raise CLIError(str(e)) from None
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=False)
+            model = GPT(GPTConfig(**ckpt["model_config"]))
+            model.load_state_dict(ckpt["model"])
+        except Exception as e:  # a corrupt or foreign file is a user error here
+            raise CLIError(f"{path} is not a packgraph checkpoint ({type(e).__name__}: {e})") from None
+        if args.preset and args.preset != ckpt.get("train_config", {}).get("preset", args.preset):
+            raise CLIError(f"--preset {args.preset} does not match the checkpoint's model")
+        return model.to(device), str(path)
+    torch.manual_seed(args.seed)
+    return GPT(GPTConfig.preset(args.preset or "tiny")).to(device), None
+
+
+def cmd_score(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import itertools
+
+    import torch
+
+    from packgraph.data.stream import DataStream, corpus_documents
+    from packgraph.score import score
+
+    device = _device(args.device)
+    graphs = _check_graphs(args.graphs, device)
+    out_dir = _out_path(args, "score")
+    cfg = _train_config(args, device, graphs, out_dir, max_docs=args.max_docs or 100)
+    model, source = _load_model(args, device)
+    _make_dir(out_dir)
+    print(f"packgraph score on {device}; model {source or 'fresh init (seed ' + str(args.seed) + ')'}")
+    print(f"out dir: {out_dir}")
+    data = DataStream(corpus_documents(cfg), T=cfg.T, policy=cfg.bucket_policy(), seed=cfg.seed)
+    batches = list(itertools.islice(data, args.batches))
+    result = score(model, batches, graphed=graphs, scope=args.scope)
+    print(
+        f"{len(batches)} batches of T={cfg.T}, {result.target_tokens} target tokens: mean logprob "
+        f"{result.mean_logprob:.4f} (perplexity {torch.tensor(-result.mean_logprob).exp().item():.2f})"
+    )
+    print(f"eager {result.eager_ms:.2f} ms/batch")
+    if graphs:
+        print(
+            f"graphed (forward-only, scope {args.scope}) {result.graphed_ms:.2f} ms/batch, speedup "
+            f"{result.speedup:.2f}x; max |logprob graphed - eager| = {result.max_abs_diff:.3e}"
+        )
+    elif device.type != "cuda":
+        print("(no CUDA here: eager logprobs only; graphs need a GPU)")
+    summary = {
+        "device": str(device),
+        "model": source,
+        "batches": len(batches),
+        "T": cfg.T,
+        "target_tokens": result.target_tokens,
+        "mean_logprob": result.mean_logprob,
+        "eager_ms": result.eager_ms,
+        "graphed_ms": result.graphed_ms,
+        "max_abs_diff": result.max_abs_diff,
+        "scope": args.scope if graphs else None,
+    }
+    (out_dir / "score.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if args.save_logprobs:
+        torch.save({"logprobs": result.logprobs, "eager_logprobs": result.eager_logprobs}, out_dir / "logprobs.pt")
+    return 0
+
+
+def cmd_plot_convergence(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from packgraph.runlog import convergence_report, plot_losses, read_log
+
+    if args.labels and len(args.labels) != len(args.logs):
+        raise CLIError(f"--labels has {len(args.labels)} names for {len(args.logs)} logs")
+    if not 0 <= args.ema < 1:
+        raise CLIError(f"--ema must be in [0, 1), got {args.ema}")
+    labels = args.labels or [Path(p).resolve().parent.name or str(p) for p in args.logs]
+    if len(set(labels)) != len(labels):
+        labels = [str(p) for p in args.logs]
+    logs = {}
+    for label, path in zip(labels, args.logs, strict=True):
+        try:
+            logs[label] = read_log(path)
+        except (FileNotFoundError, ValueError) as e:
+            raise CLIError(str(e)) from None
+    report = convergence_report(logs, beta=args.ema)
+    out = Path(args.out)
+    if out.is_dir():
+        raise CLIError(f"--out {out} is a directory; give a .png file name")
+    curves = {n: [(int(r["step"]), float(r["loss"])) for r in rows] for n, rows in logs.items()}
+    png = plot_losses(curves, out, echo=print, beta=args.ema)
+    out.with_suffix(".json").parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    rows = [
+        [
+            n,
+            f"{report['first_loss'][n]:.4f}",
+            f"{report['final_loss'][n]:.4f}",
+            f"{report['tokens_per_s'][n]:,.0f}",
+            "ref" if n == report["reference"] else f"{report['max_rel_diff'][n]:.3%}",
+        ]
+        for n in logs
+    ]
+    print(_table(rows, ["run", "first loss", "final loss", "tokens/s steady", "max rel diff (EMA)"]))
+    print(f"{report['common_steps']} common steps; EMA beta {args.ema}")
+    if png:
+        print(f"plot: {png}")
+    print(f"summary: {out.with_suffix('.json')}")
+    return 0
+
+
+def _bench(argv: Sequence[str]) -> int:
+    try:
+        from packgraph.bench import main as bench_main
+    except ImportError as e:
+        raise CLIError(f"the bench command is not available in this install ({e})") from None
+    try:
+        return int(bench_main(list(argv)) or 0)
+    except SystemExit as e:  # its argparse printed the usage and the error
+        return int(e.code or 0)
+
+
+COMMANDS = {"demo": cmd_demo, "train": cmd_train, "score": cmd_score, "plot-convergence": cmd_plot_convergence}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``packgraph`` console script. Returns the exit code (0 ok, 2 user error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        # bench owns its flags: hand everything after the word over untouched.
+        if argv and argv[0] == "bench":
+            return _bench(argv[1:])
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:  # argparse already printed usage and the error (or the help)
+            return int(e.code or 0)
+        return COMMANDS[args.command](args, argv[1:])
+    except CLIError as e:
+        print(f"packgraph: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        # Raised by config and data checks (bad ladders, a document no bucket fits, a missing file).
+        if os.environ.get("PACKGRAPH_DEBUG"):
+            raise
+        print(f"packgraph: error: {e} (set PACKGRAPH_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("packgraph: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,567 @@
+"""A reference GPT on packed (THD) batches, nanoGPT-style: one file, no framework.
+
+The input is one token stream ``tokens [T]`` plus :class:`~packgraph.params.PackedSeqParams`; every hidden
+state is ``[T, d_model]``. Documents never see each other: attention is block-diagonal causal
+(:func:`~packgraph.ops.varlen_attention`) and RoPE positions restart at each document
+(:func:`~packgraph.ops.apply_rope_thd`). Rows that belong to no document ("dead" rows: tail and padding) carry
+garbage hidden states that nothing reads, and their labels are ``-100``.
+
+Each :class:`Block` is ``mlp(attn(x))`` with the two halves as separate modules (``block.attn``,
+``block.mlp``), so either can be captured into a CUDA graph alone while the other runs eagerly.
+:meth:`GPT.graphed` builds such wrappers (scopes ``"layer"``, ``"attn"``, ``"mlp"``, ``"model"``).
+
+Loss normalisation: ``loss = sum_r loss_mask[r] * CE(logits[r], labels[r]) / sum_r loss_mask[r]`` over the rows
+of the batch, i.e. the mean over real target tokens. Rows with ``labels == -100`` contribute zero whatever
+their mask. Gradient accumulation over micro-batches weights each micro-batch's loss by its share of the real
+target tokens (see :mod:`packgraph.train`), which equals one big batch's mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from packgraph.ops import apply_rope_thd, varlen_attention
+from packgraph.params import PackedSeqParams
+
+if TYPE_CHECKING:
+    from packgraph.buckets import BucketPolicy
+    from packgraph.packing import PackedBatch
+
+__all__ = ["GPTConfig", "RMSNorm", "AttentionBlock", "MLPBlock", "Block", "GPT", "GraphedGPT", "SCOPES"]
+
+SCOPES: tuple[str, ...] = ("layer", "attn", "mlp", "model")
+"""What :meth:`GPT.graphed` can capture: whole blocks, only their attention half, only their MLP half, or the
+whole forward+backward of the loss."""
+
+IGNORE_INDEX = -100
+_MANY_GRAPH_SETS = 16
+
+
+@dataclass
+class GPTConfig:
+    """Model shape. ``n_kv_head`` < ``n_head`` gives grouped-query attention; ``None`` means ``n_head``.
+
+    ``mlp_hidden=None`` uses the SwiGLU convention ``8/3 * d_model`` rounded up to a multiple of 64.
+    ``dropout`` applies to each residual branch's output (the attention kernel has no dropout).
+    """
+
+    vocab_size: int = 258
+    n_layer: int = 12
+    n_head: int = 8
+    n_kv_head: int | None = None
+    d_model: int = 512
+    mlp_hidden: int | None = None
+    rope_base: float = 10000.0
+    dropout: float = 0.0
+    init_std: float = 0.02
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.mlp_hidden is None:
+            self.mlp_hidden = 64 * math.ceil(8 * self.d_model / 3 / 64)
+        if self.d_model % self.n_head != 0:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.n_head % self.n_kv_head != 0:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> GPTConfig:
+        """A named shape (see :data:`PRESETS`), with optional field overrides.
+
+        Raises:
+            ValueError: unknown preset name (the message lists the known ones).
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def num_params(self) -> int:
+        """Parameter count (tied head counted once)."""
+        attn = (
+            self.d_model * (self.n_head + 2 * self.n_kv_head) * self.head_dim
+            + self.n_head * self.head_dim * self.d_model
+        )
+        mlp = 3 * self.d_model * self.mlp_hidden
+        return self.vocab_size * self.d_model + self.n_layer * (attn + mlp + 2 * self.d_model) + self.d_model
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(d_model=64, n_layer=2, n_head=4),  # trains on a laptop CPU in seconds
+    "small": dict(d_model=512, n_layer=12, n_head=8),
+    "medium": dict(d_model=1024, n_layer=16, n_head=16),
+    "large": dict(d_model=2048, n_layer=24, n_head=16),
+}
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, computed in float32 (float64 for float64 input), returned in ``x``'s dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        compute = _at_least_fp32(x.dtype)
+        xf = x.to(compute)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(compute)).to(x.dtype)
+
+
+class AttentionBlock(nn.Module):
+    """Pre-norm attention with its residual: ``x + proj(attn(rope(q), rope(k), v))``. ``x``: ``[T, d_model]``.
+
+    Only ``cu_seqlens*`` and the static max seqlens are read from the params (``attention_view``), so the
+    Mamba-only fields never enter an attention graph.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.rope_base = cfg.rope_base
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
+        self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
+        params = packed_seq_params.attention_view()
+        T = x.shape[0]
+        q, k, v = self.qkv(self.norm(x)).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+        )
+        q = apply_rope_thd(q.view(T, self.n_head, self.head_dim), params, base=self.rope_base)
+        k = apply_rope_thd(k.view(T, self.n_kv_head, self.head_dim), params, base=self.rope_base)
+        v = v.view(T, self.n_kv_head, self.head_dim)
+        y = varlen_attention(q, k, v, params, causal=True)
+        return x + self.dropout(self.proj(y.reshape(T, self.n_head * self.head_dim)))
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm SwiGLU MLP with its residual: ``x + down(silu(gate) * up)``. Row-wise: needs no packing info."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.mlp_hidden, bias=False)
+        self.down = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(self.norm(x)).chunk(2, dim=-1)
+        return x + self.dropout(self.down(F.silu(gate) * up))
+
+
+class Block(nn.Module):
+    """One transformer layer: ``mlp(attn(x, params))``. The halves are separate so each can be graphed alone."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attn = AttentionBlock(cfg)
+        self.mlp = MLPBlock(cfg)
+
+    def forward(self, x: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
+        return self.mlp(self.attn(x, packed_seq_params))
+
+
+def _unpack(
+    batch: PackedBatch | Tensor,
+    packed_seq_params: PackedSeqParams | None,
+    labels: Tensor | None,
+    loss_mask: Tensor | None,
+) -> tuple[Tensor, PackedSeqParams, Tensor | None, Tensor | None]:
+    """``(tokens, params, labels, loss_mask)`` from a PackedBatch or loose tensors; explicit args win."""
+    if isinstance(batch, Tensor):
+        tokens = batch
+    else:
+        tokens = batch.tokens
+        packed_seq_params = packed_seq_params if packed_seq_params is not None else batch.packed_seq_params
+        labels = labels if labels is not None else batch.labels
+        loss_mask = loss_mask if loss_mask is not None else batch.loss_mask
+    if packed_seq_params is None:
+        raise ValueError("packed_seq_params is required with a tokens tensor (or pass a PackedBatch)")
+    if tokens.dim() != 1:
+        raise ValueError(f"tokens must be 1-D [T] (THD layout), got shape {tuple(tokens.shape)}")
+    return tokens, packed_seq_params, labels, loss_mask
+
+
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def masked_mean_ce(logits: Tensor, labels: Tensor, loss_mask: Tensor | None) -> Tensor:
+    """``sum(mask * CE) / sum(mask)`` in float32 (float64 for a float64 model).
+
+    Rows with label -100 contribute 0. Sync-free, so it can run inside a graph.
+    """
+    ce = F.cross_entropy(logits.to(_at_least_fp32(logits.dtype)), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    mask = (labels != IGNORE_INDEX).to(ce.dtype) if loss_mask is None else loss_mask.to(ce.dtype)
+    # clamp: a batch with no targets gives loss 0 rather than NaN.
+    return (ce * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+class GPT(nn.Module):
+    """Token embedding -> ``n_layer`` blocks -> final RMSNorm -> tied LM head, on a packed stream."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, init_std), residual output projections scaled by ``1/sqrt(2 n_layer)``."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or name == "norm_f.weight":
+                nn.init.ones_(p)
+            elif name.endswith(("proj.weight", "down.weight")):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layer))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    # ------------------------------------------------------------------ pieces (the graphed wrapper reuses them)
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """``[T]`` int64 -> ``[T, d_model]``."""
+        return self.embed(tokens)
+
+    def forward_hidden(self, tokens: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
+        """Embedding and the block stack: ``[T]`` -> ``[T, d_model]`` (before the final norm)."""
+        x = self.embed_tokens(tokens)
+        for block in self.blocks:
+            x = block(x, packed_seq_params)
+        return x
+
+    def logits_from_hidden(self, hidden: Tensor) -> Tensor:
+        """Final norm and tied head: ``[T, d_model]`` -> ``[T, vocab_size]``."""
+        return F.linear(self.norm_f(hidden), self.embed.weight)
+
+    def loss_from_hidden(
+        self, hidden: Tensor, labels: Tensor, loss_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``(logits [T, V], loss [])``; loss is the masked mean CE described in the module docstring."""
+        logits = self.logits_from_hidden(hidden)
+        return logits, masked_mean_ce(logits, labels, loss_mask)
+
+    # ------------------------------------------------------------------ public
+    def forward(
+        self,
+        batch: PackedBatch | Tensor,
+        packed_seq_params: PackedSeqParams | None = None,
+        labels: Tensor | None = None,
+        loss_mask: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Logits ``[T, V]``, or ``(logits, loss)`` when labels are given (a PackedBatch always has them)."""
+        tokens, params, labels, loss_mask = _unpack(batch, packed_seq_params, labels, loss_mask)
+        hidden = self.forward_hidden(tokens, params)
+        if labels is None:
+            return self.logits_from_hidden(hidden)
+        return self.loss_from_hidden(hidden, labels, loss_mask)
+
+    @torch.no_grad()
+    def token_logprobs(
+        self,
+        batch: PackedBatch | Tensor,
+        packed_seq_params: PackedSeqParams | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        """float32 ``[T]``: ``log p(labels[r] | tokens of its document up to r)``; 0 where ``labels == -100``."""
+        tokens, params, labels, _ = _unpack(batch, packed_seq_params, labels, None)
+        if labels is None:
+            raise ValueError("token_logprobs needs labels (pass a PackedBatch or labels=)")
+        return logprobs_of_labels(self.logits_from_hidden(self.forward_hidden(tokens, params)), labels)
+
+    def graphed(
+        self,
+        scope: str = "layer",
+        buckets: BucketPolicy | None = None,
+        sample_batch: PackedBatch | None = None,
+        forward_only: bool = False,
+        **capture_opts: Any,
+    ) -> GraphedGPT:
+        """A wrapper with the same ``forward``/``token_logprobs`` that runs part of the model in CUDA graphs.
+
+        Args:
+            scope: ``"layer"`` graphs every block (``capture_layers``, one pool); ``"attn"``/``"mlp"`` graph only
+                that half of each block, the other half eager; ``"model"`` graphs the whole loss forward and
+                backward (its ``forward`` then returns ``(None, loss)``: the logits stay inside the graph).
+                Embedding, head and loss are eager in every scope but ``"model"``.
+            buckets: map each batch's params to a static bucket (``BucketPolicy.apply``) before replay; one graph
+                set is captured per bucket, lazily, at the first batch that needs it.
+            sample_batch: capture the first graph set now from this batch's shape instead of at the first call.
+            forward_only: no-grad graphs (scoring/eval). Call the wrapper under ``torch.no_grad()``.
+            capture_opts: passed to :func:`packgraph.capture` / :func:`packgraph.capture_layers`.
+
+        Raises:
+            RuntimeError: the model is not on a CUDA device (graphs need CUDA).
+            ValueError: unknown scope.
+        """
+        return GraphedGPT(
+            self, scope=scope, buckets=buckets, sample_batch=sample_batch, forward_only=forward_only, **capture_opts
+        )
+
+
+def logprobs_of_labels(logits: Tensor, labels: Tensor) -> Tensor:
+    """float32 ``[T]`` log-softmax of each row's label, 0 where ``labels == -100``."""
+    logp = torch.log_softmax(logits.to(_at_least_fp32(logits.dtype)), dim=-1)
+    has_target = labels != IGNORE_INDEX
+    picked = logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(has_target, picked, torch.zeros_like(picked)).float()
+
+
+class _LossModule(nn.Module):
+    """The whole loss as one module (scope "model"): ``(tokens, labels, loss_mask, params) -> loss``."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: Tensor, labels: Tensor, loss_mask: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
+        return self.model(tokens, packed_seq_params, labels, loss_mask)[1]
+
+
+class _LogprobModule(nn.Module):
+    """Token logprobs as one module (scope "model", forward-only)."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: Tensor, labels: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
+        hidden = self.model.forward_hidden(tokens, packed_seq_params)
+        return logprobs_of_labels(self.model.logits_from_hidden(hidden), labels)
+
+
+class GraphedGPT(nn.Module):
+    """A :class:`GPT` whose block stack (or a part of it) replays CUDA graphs. Build with :meth:`GPT.graphed`.
+
+    Graph sets are keyed by the batch's static signature (after bucketing): ``T``, ``max_seqlen``, capacity and
+    the padded-offsets layout. A new key captures a new set (counted in :attr:`captures`); the first capture of a
+    set happens lazily inside the caller's context, so autocast state and grad mode match the replays. The
+    engine itself may still recapture within a set when something else static changes (training mode,
+    autocast); :attr:`recaptures` sums what it reports.
+
+    Parameters are the wrapped model's (``self.model``); save ``graphed.model.state_dict()``.
+    """
+
+    def __init__(
+        self,
+        model: GPT,
+        *,
+        scope: str = "layer",
+        buckets: BucketPolicy | None = None,
+        sample_batch: PackedBatch | None = None,
+        forward_only: bool = False,
+        **capture_opts: Any,
+    ) -> None:
+        super().__init__()
+        if scope not in SCOPES:
+            raise ValueError(f"unknown graph scope {scope!r}; choose one of {SCOPES}")
+        # A stand-in recorder (capture_with's) lets tests run the wrapper's wiring without CUDA.
+        self._recorder = capture_opts.pop("_recorder", None)
+        device = next(model.parameters()).device
+        if self._recorder is None and (device.type != "cuda" or not torch.cuda.is_available()):
+            raise RuntimeError(
+                f"model.graphed() needs the model on a CUDA device (CUDA graphs), but it is on {device}; "
+                "move it with model.cuda() or run eagerly"
+            )
+        self.model = model
+        self.scope = scope
+        self.buckets = buckets
+        self.forward_only = forward_only
+        self.capture_opts = capture_opts
+        self._sets: dict[Any, Any] = {}
+        self.captures = 0
+        if sample_batch is not None:
+            params = self._bucketed(sample_batch.packed_seq_params)
+            params = params if scope == "model" else params.attention_view()
+            self._graph_set(sample_batch.tokens.shape[0], params, requires_grad=not forward_only)
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def num_graph_sets(self) -> int:
+        return len(self._sets)
+
+    @property
+    def recaptures(self) -> int:
+        total = 0
+        for graphed in self._sets.values():
+            for g in graphed if isinstance(graphed, list) else [graphed]:
+                total += int(getattr(g, "recaptures", 0) or 0)
+        return total
+
+    # ------------------------------------------------------------------ capture
+    def _bucketed(self, params: PackedSeqParams) -> PackedSeqParams:
+        return self.buckets.apply(params) if self.buckets is not None else params
+
+    def _key(self, T: int, params: PackedSeqParams) -> Any:
+        if self.scope == "mlp":
+            return (T,)  # the MLP never sees the packing: one set serves every bucket
+        return (T, params.attention_view().static_signature())
+
+    def _sample_params(self, T: int, params: PackedSeqParams, device: torch.device) -> PackedSeqParams:
+        """Params with ``params``' static signature but made-up offsets (from ``fixed_shape_sample``)."""
+        from packgraph.packing import fixed_shape_sample
+
+        want = params.static_signature()
+        try:
+            sample = fixed_shape_sample(
+                T,
+                params.capacity,
+                max_seqlen=params.max_seqlen_q,
+                vocab_size=self.model.cfg.vocab_size,
+                pad_to_multiple=2 if params.cu_seqlens_q_padded is not None else 1,
+                device=device,
+            ).packed_seq_params.replace(total_tokens=params.total_tokens)
+            if params.total_tokens is None:
+                sample = sample.attention_view()
+        except ValueError:
+            sample = None
+        if sample is None or sample.static_signature() != want:
+            # The sample helper cannot reproduce this layout: capture on a copy of the real offsets instead.
+            clones: dict[int, Tensor] = {}  # q and kv often share one tensor: keep them shared
+            inputs = params.graph_inputs().items()
+            sample = params.replace(**{k: clones.setdefault(id(v), v.clone()) for k, v in inputs})
+        return sample
+
+    def _graph_set(self, T: int, params: PackedSeqParams, *, requires_grad: bool) -> Any:
+        key = self._key(T, params)
+        graphed = self._sets.get(key)
+        if graphed is not None:
+            return graphed
+        model, cfg = self.model, self.model.cfg
+        capture, capture_layers = self._capture_functions()
+        device = next(model.parameters()).device
+        opts = dict(self.capture_opts, forward_only=self.forward_only)
+        # A private generator: sample data must not advance the global RNG (eager and graphed runs stay in step).
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(T, cfg.d_model, device=device, generator=gen, dtype=model.embed.weight.dtype)
+        x.requires_grad_(requires_grad)
+        if self.scope == "model":
+            sample_params = self._sample_params(T, params, device)
+            tokens = torch.randint(0, cfg.vocab_size, (T,), device=device, generator=gen)
+            labels = torch.randint(0, cfg.vocab_size, (T,), device=device, generator=gen)
+            if self.forward_only:
+                graphed = capture(_LogprobModule(model), (tokens, labels, sample_params), **opts)
+            else:
+                mask = torch.ones(T, device=device)
+                graphed = capture(_LossModule(model), (tokens, labels, mask, sample_params), **opts)
+        elif self.scope == "layer":
+            # chain: each block's graph reads the previous block's output buffer in place (no copies).
+            graphed = capture_layers(list(model.blocks), (x, self._sample_params(T, params, device)), **opts)
+        elif self.scope == "attn":
+            # chain=False: an eager MLP sits between consecutive attention graphs.
+            attns = [b.attn for b in model.blocks]
+            graphed = capture_layers(attns, (x, self._sample_params(T, params, device)), chain=False, **opts)
+        else:
+            graphed = capture_layers([b.mlp for b in model.blocks], (x,), chain=False, **opts)
+        self._sets[key] = graphed
+        self.captures += 1
+        if len(self._sets) == _MANY_GRAPH_SETS:
+            warnings.warn(
+                f"GraphedGPT has captured {_MANY_GRAPH_SETS} graph sets (one per static signature): batches vary "
+                "their max_seqlen/capacity freely. Map them onto a few buckets (graphed(buckets=BucketPolicy(...)) "
+                "or batches_from_corpus(policy=...)) to bound captures and memory.",
+                stacklevel=3,
+            )
+        return graphed
+
+    def _capture_functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """``(capture, capture_layers)``: the CUDA ones, or bound to an injected recorder (tests)."""
+        from packgraph.graphs import capture as capture_cuda
+        from packgraph.graphs import capture_layers as capture_layers_cuda
+
+        if self._recorder is None:
+            return capture_cuda, capture_layers_cuda
+        from packgraph.graphs.capture import capture_layers_with, capture_with
+
+        return functools.partial(capture_with, self._recorder), functools.partial(capture_layers_with, self._recorder)
+
+    # ------------------------------------------------------------------ forward
+    def forward_hidden(self, tokens: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
+        """Like :meth:`GPT.forward_hidden`; the block stack (or the scope's half of it) replays graphs."""
+        if self.scope == "model":
+            raise RuntimeError("scope 'model' graphs the whole loss; forward_hidden is not available there")
+        # Only what attention reads crosses the graph boundary (Mamba-only fields would split signatures).
+        params = self._bucketed(packed_seq_params).attention_view()
+        x = self.model.embed_tokens(tokens)
+        graphed = self._graph_set(x.shape[0], params, requires_grad=x.requires_grad)
+        for i, block in enumerate(self.model.blocks):
+            if self.scope == "layer":
+                x = graphed[i](x, params)
+            elif self.scope == "attn":
+                x = block.mlp(graphed[i](x, params))
+            else:
+                x = graphed[i](block.attn(x, params))
+        return x
+
+    def forward(
+        self,
+        batch: PackedBatch | Tensor,
+        packed_seq_params: PackedSeqParams | None = None,
+        labels: Tensor | None = None,
+        loss_mask: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor | None, Tensor]:
+        """Same contract as :meth:`GPT.forward`; scope ``"model"`` returns ``(None, loss)`` and needs labels."""
+        tokens, params, labels, loss_mask = _unpack(batch, packed_seq_params, labels, loss_mask)
+        if self.scope == "model":
+            if labels is None or self.forward_only:
+                raise RuntimeError("scope 'model' graphs the training loss: call it with labels, forward_only=False")
+            params = self._bucketed(params)
+            if loss_mask is None:
+                loss_mask = (labels != IGNORE_INDEX).float()
+            graphed = self._graph_set(tokens.shape[0], params, requires_grad=True)
+            return None, graphed(tokens, labels, loss_mask, params)
+        hidden = self.forward_hidden(tokens, params)
+        if labels is None:
+            return self.model.logits_from_hidden(hidden)
+        return self.model.loss_from_hidden(hidden, labels, loss_mask)
+
+    @torch.no_grad()
+    def token_logprobs(
+        self,
+        batch: PackedBatch | Tensor,
+        packed_seq_params: PackedSeqParams | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        """Same contract as :meth:`GPT.token_logprobs`, through the graphs (use ``forward_only=True``)."""
+        tokens, params, labels, _ = _unpack(batch, packed_seq_params, labels, None)
+        if labels is None:
+            raise ValueError("token_logprobs needs labels (pass a PackedBatch or labels=)")
+        if self.scope == "model":
+            if not self.forward_only:
+                raise RuntimeError("scope 'model' logprobs need a forward_only=True wrapper")
+            params = self._bucketed(params)
+            # clone: the graph's output buffer is overwritten by the next replay.
+            return self._graph_set(tokens.shape[0], params, requires_grad=False)(tokens, labels, params).clone()
+        return logprobs_of_labels(self.model.logits_from_hidden(self.forward_hidden(tokens, params)), labels)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied weight counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def config_dict(cfg: GPTConfig) -> dict[str, Any]:
+    """A JSON-ready dict of the config."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,154 @@
+"""GPU: the graphed GPT equals the eager GPT (loss, grads, logprobs) for every scope, over several packings.
+
+Tolerances: the graphed and eager passes run the same bf16 kernels on the same inputs, so they differ only where a
+kernel is itself nondeterministic (FlashAttention's backward accumulates dq with atomics). Loss and logprobs must
+agree to 1e-3 absolute; each gradient to 2e-2 of its own max magnitude (bf16 has 8 mantissa bits). The maximum
+differences seen are published with `report`.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from packgraph.buckets import default_buckets
+from packgraph.models.gpt import GPT, SCOPES, GPTConfig
+from packgraph.packing import PackedBatch, fixed_shape_sample
+from packgraph.score import score
+from packgraph.train import DataStream, TrainConfig, accumulate_gradients, compare_eager_graphed, corpus_documents
+
+T = 1024
+LOSS_ATOL = 1e-3
+GRAD_RTOL = 2e-2
+
+
+def model_on_cuda(seed=0) -> GPT:
+    torch.manual_seed(seed)
+    cfg = GPTConfig.preset("tiny", d_model=128, n_layer=3, n_head=4, n_kv_head=2)
+    return GPT(cfg).cuda()
+
+
+def packings() -> list[PackedBatch]:
+    """Corpus batches in several buckets, plus synthetic ones: padded layout, a full bin, 1-token documents."""
+    cfg = TrainConfig(T=T, max_docs=40, seed=1)
+    data = DataStream(corpus_documents(cfg), T=T, policy=cfg.bucket_policy(), seed=1)
+    batches = list(itertools.islice(data, 6))
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 256, (n,), generator=g) for n in (1, 1, 300, 2, 500)]
+    batches.append(PackedBatch.from_documents(docs, bin_size=T, capacity=8, max_seqlen=512))
+    batches.append(fixed_shape_sample(T, 8, max_seqlen=T, seed=3))
+    batches.append(fixed_shape_sample(T, 32, max_seqlen=256, seed=4))
+    return batches
+
+
+def loss_and_grads(model, runner, batch):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        _, loss = runner(batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach().float().clone(), grads
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_graphed_equals_eager_loss_and_grads(scope, report):
+    model = model_on_cuda()
+    graphed = model.graphed(scope=scope)
+    worst_loss, worst_grad = 0.0, 0.0
+    for batch in packings():
+        batch = batch.to("cuda")
+        eager_loss, eager_grads = loss_and_grads(model, model, batch)
+        for _ in range(2):  # the first call captures, the second replays
+            g_loss, g_grads = loss_and_grads(model, graphed, batch)
+            assert torch.isfinite(g_loss)
+            worst_loss = max(worst_loss, float((g_loss - eager_loss).abs()))
+            assert float((g_loss - eager_loss).abs()) <= LOSS_ATOL, (scope, batch.bucket)
+            for name, e in eager_grads.items():
+                diff = float((g_grads[name] - e).abs().max())
+                scale = float(e.abs().max()) + 1e-6
+                worst_grad = max(worst_grad, diff / scale)
+                assert torch.isfinite(g_grads[name]).all(), name
+                assert diff <= GRAD_RTOL * scale, (scope, name, diff, scale)
+    report(f"gpt graphed[{scope}] vs eager: max |loss diff|", worst_loss)
+    report(f"gpt graphed[{scope}] vs eager: max grad diff / max |grad|", worst_grad)
+    report(f"gpt graphed[{scope}]: graph sets captured", graphed.num_graph_sets)
+    # Graph sets are per static signature: never more than the distinct signatures seen.
+    distinct = {(b.static_signature()) for b in packings()}
+    assert graphed.num_graph_sets <= (1 if scope == "mlp" else len(distinct))
+
+
+def test_graphed_with_bucket_policy_equals_eager(report):
+    """Raw batches (max_seqlen = T, few slots) mapped to buckets by the wrapper."""
+    model = model_on_cuda(1)
+    graphed = model.graphed(scope="layer", buckets=default_buckets(T))
+    worst = 0.0
+    g = torch.Generator().manual_seed(5)
+    for lengths in ([100, 3, 700], [1000], [50] * 20, [8, 9], [255, 256, 1, 1]):
+        docs = [torch.randint(0, 256, (n,), generator=g) for n in lengths]
+        batch = PackedBatch.from_documents(docs, bin_size=T, capacity=len(lengths)).to("cuda")
+        eager_loss, _ = loss_and_grads(model, model, batch)
+        g_loss, _ = loss_and_grads(model, graphed, batch)
+        worst = max(worst, float((g_loss - eager_loss).abs()))
+        assert worst <= LOSS_ATOL
+    report("gpt graphed[layer]+buckets vs eager: max |loss diff|", worst)
+    report("gpt graphed[layer]+buckets: graph sets for 5 batches", graphed.num_graph_sets)
+
+
+def test_graphed_grad_accumulation_equals_eager(report):
+    model = model_on_cuda(2)
+    graphed = model.graphed(scope="layer")
+    micro = packings()[:3]
+    device = torch.device("cuda")
+    model.zero_grad(set_to_none=True)
+    eager_loss = accumulate_gradients(model, micro, device)
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(graphed, micro, device)  # captures
+    model.zero_grad(set_to_none=True)
+    g_loss = accumulate_gradients(graphed, micro, device)
+    worst = 0.0
+    for n, p in model.named_parameters():
+        diff, scale = float((p.grad - eager[n]).abs().max()), float(eager[n].abs().max()) + 1e-6
+        worst = max(worst, diff / scale)
+        assert diff <= GRAD_RTOL * scale, n
+    assert float((g_loss - eager_loss).abs()) <= LOSS_ATOL
+    report("gpt graphed grad accumulation (3 micro-batches): max grad diff / max |grad|", worst)
+
+
+@pytest.mark.parametrize("scope", ["layer", "model"])
+def test_score_graphed_equals_eager(scope, report):
+    model = model_on_cuda(3)
+    result = score(model, packings(), graphed=True, scope=scope)
+    assert result.max_abs_diff is not None and result.max_abs_diff <= LOSS_ATOL
+    for lp, b in zip(result.logprobs, packings(), strict=True):
+        assert lp.shape == (T,) and torch.all(lp[b.labels == -100] == 0) and torch.isfinite(lp).all()
+    report(f"score graphed[{scope}] vs eager: max |logprob diff|", result.max_abs_diff)
+    report(f"score graphed[{scope}]: speedup over eager", round(result.speedup, 2))
+
+
+def test_short_training_run_graphed_tracks_eager(tmp_path, report):
+    cfg = TrainConfig(
+        preset="tiny",
+        steps=30,
+        T=T,
+        lr=3e-3,
+        warmup_steps=3,
+        max_docs=40,
+        device="cuda",
+        out_dir=str(tmp_path),
+        progress=False,
+        plot=False,
+        save_checkpoint=False,
+    )
+    out = compare_eager_graphed(cfg, scopes=("layer", "attn"), echo=None)
+    eager = out["runs"]["eager"]
+    assert sum(eager.losses[-5:]) < sum(eager.losses[:5]) - 2.5  # the loss clearly drops (5 steps each)
+    for name in ("graphed-layer", "graphed-attn"):
+        run = out["runs"][name]
+        assert run.graphs and run.num_graph_sets >= 1
+        # Same data and init; bf16 noise may grow over steps but stays small over 30 steps.
+        assert out["max_abs_loss_diff"][name] <= 5e-2, name
+        report(f"train 30 steps tiny: max |loss diff| {name} vs eager", out["max_abs_loss_diff"][name])
+        report(f"train 30 steps tiny: tokens/s speedup {name}", round(out["speedup"][name], 2))
+    assert not eager.graphs and eager.num_graph_sets == 0

@@ -1,0 +1,194 @@
+"""The ``packgraph`` command line: the demo end to end, train/score/plot-convergence, and every error path."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from packgraph.cli import _without_nproc, main
+from packgraph.data.stream import DataStream, corpus_documents
+from packgraph.models.gpt import GPT, GPTConfig
+from packgraph.score import score
+from packgraph.train import TrainConfig
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_demo_runs_end_to_end_within_budget(tmp_path):
+    exe = shutil.which("packgraph")
+    cmd = [exe] if exe else [sys.executable, "-m", "packgraph"]
+    out_dir = tmp_path / "demo"
+    t0 = time.perf_counter()
+    # The README's command as written (plus an out dir); CPU-only so the time budget is the CPU one.
+    proc = subprocess.run(
+        [*cmd, "demo", "--out-dir", str(out_dir), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert wall < 60, f"demo took {wall:.1f} s"
+    assert str(out_dir) in proc.stdout
+    assert "efficiency" in proc.stdout and "max_seqlen" in proc.stdout and "loss" in proc.stdout
+    summary = json.loads((out_dir / "demo.json").read_text())
+    rows = [json.loads(line) for line in (out_dir / "eager" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == summary["steps"]
+    losses = [r["loss"] for r in rows]
+    start, end = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert summary["eager"]["loss_mean_first_5"] == pytest.approx(start)
+    assert end < start - 0.5  # the demo's promise: the loss clearly drops
+    assert f"{start:.3f} -> {end:.3f}" in proc.stdout
+
+
+def test_train_then_score_then_plot(tmp_path, capsys):
+    run = tmp_path / "run"
+    common = ["--device", "cpu", "--T", "128", "--max-docs", "3", "--seed", "2"]
+    code, out, err = run_cli(capsys, "train", "--steps", "4", "--no-progress", "--out-dir", str(run), *common)
+    assert code == 0, err
+    assert "final loss" in out and "tokens/s" in out and str(run) in out
+    rows = [json.loads(line) for line in (run / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert f"final loss {rows[-1]['loss']:.4f}" in out
+    assert (run / "checkpoint.pt").is_file() and (run / "config.json").is_file()
+
+    code, out, err = run_cli(
+        capsys, "score", "--checkpoint", str(run), "--batches", "2", "--out-dir", str(tmp_path / "s"), *common
+    )
+    assert code == 0, err
+    report = json.loads((tmp_path / "s" / "score.json").read_text())
+    assert report["max_abs_diff"] is None and report["batches"] == 2  # no graphs on CPU
+    # Independent check of the reported mean logprob: CE of the checkpoint's model on the same batches.
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    cfg = TrainConfig(T=128, max_docs=3, seed=2)
+    data = DataStream(corpus_documents(cfg), T=128, policy=cfg.bucket_policy(), seed=2)
+    ce, n = 0.0, 0
+    with torch.no_grad():
+        for _ in range(2):
+            b = next(data)
+            ce += float(F.cross_entropy(model(b.tokens, b.packed_seq_params), b.labels, reduction="sum"))
+            n += int((b.labels != -100).sum())
+    assert report["target_tokens"] == n
+    assert report["mean_logprob"] == pytest.approx(-ce / n, rel=1e-5)
+
+    other = tmp_path / "run2"
+    code, _, err = run_cli(capsys, "train", "--steps", "4", "--no-progress", "--out-dir", str(other), *common)
+    assert code == 0, err
+    png = tmp_path / "conv" / "c.png"
+    code, out, err = run_cli(
+        capsys, "plot-convergence", "--logs", str(run / "train.jsonl"), str(other / "train.jsonl"), "--out", str(png)
+    )
+    assert code == 0, err
+    summary = json.loads(png.with_suffix(".json").read_text())
+    assert summary["max_rel_diff"] == {"run2": 0.0}  # same seed, same data, CPU: identical curves
+    assert "max rel diff" in out
+
+
+def test_score_function_eager_matches_token_logprobs():
+    cfg = TrainConfig(T=128, max_docs=2)
+    data = DataStream(corpus_documents(cfg), T=128, policy=cfg.bucket_policy())
+    batches = [next(data), next(data)]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    result = score(model, batches, graphed=False)
+    assert result.max_abs_diff is None and result.graphed_ms is None
+    for b, lp in zip(batches, result.logprobs, strict=True):
+        logits = model(b.tokens, b.packed_seq_params).detach()
+        want = -F.cross_entropy(logits, b.labels, reduction="none")  # 0 on ignored rows
+        torch.testing.assert_close(lp, want, rtol=1e-6, atol=1e-6)
+    assert math.isfinite(result.mean_logprob) and result.mean_logprob < 0
+    with pytest.raises(RuntimeError, match="CUDA"):
+        score(model, batches, graphed=True)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "required: COMMAND"),
+        (["frobnicate"], "invalid choice"),
+        (["train", "--preset", "huge"], "invalid choice: 'huge'"),
+        (["train", "--steps", "0"], "positive integer"),
+        (["train", "--steps", "many"], "positive integer"),
+        (["train", "--T", "-4"], "positive integer"),
+        (["train", "--scope", "everything"], "invalid choice"),
+        (["train", "--max-seqlen-ladder", "512,256"], "strictly increasing"),
+        (["train", "--capacity-ladder", "8,x"], "comma-separated integers"),
+        (["train", "--device", "cpu", "--T", "256", "--max-seqlen-ladder", "128,512"], "above T=256"),
+        (["train", "--device", "bogus"], "unknown device 'bogus'"),
+        (["train", "--device", "cpu", "--graphs"], "--graphs needs a CUDA device"),
+        (["train", "--device", "cpu", "--resume", "/nonexistent/ckpt.pt"], "no checkpoint at /nonexistent/ckpt.pt"),
+        (["score", "--device", "cpu", "--checkpoint", "/nonexistent"], "no checkpoint"),
+        (["plot-convergence", "--logs", "/nonexistent.jsonl", "--out", "x.png"], "no log file"),
+        (["plot-convergence", "--logs", "a.jsonl", "b.jsonl", "--labels", "a", "--out", "x.png"], "2 logs"),
+        (["plot-convergence", "--logs", "a.jsonl"], "--out"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert message in err, err
+    assert "Traceback" not in err + out
+
+
+def test_bad_paths_exit_2(tmp_path, capsys):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("not a dir")
+    code, _, err = run_cli(capsys, "train", "--device", "cpu", "--out-dir", str(a_file))
+    assert code == 2 and "not a directory" in err
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"\x00garbage")
+    code, _, err = run_cli(capsys, "score", "--device", "cpu", "--checkpoint", str(junk), "--out-dir", str(tmp_path))
+    assert code == 2 and "not a packgraph checkpoint" in err and "Traceback" not in err
+    log = tmp_path / "bad.jsonl"
+    log.write_text("{broken\n")
+    code, _, err = run_cli(capsys, "plot-convergence", "--logs", str(log), "--out", str(tmp_path / "p.png"))
+    assert code == 2 and "bad.jsonl:1: not JSON" in err
+
+
+def test_help_and_nproc_forwarding(capsys):
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0
+    for command in ("demo", "train", "score", "bench", "plot-convergence"):
+        assert command in out
+    code, out, _ = run_cli(capsys, "train", "--help")
+    assert code == 0 and "--nproc" in out and "--max-seqlen-ladder" in out and "--no-graphs" in out
+    assert _without_nproc(["--steps", "5", "--nproc", "2", "--seed", "1"]) == ["--steps", "5", "--seed", "1"]
+    assert _without_nproc(["--nproc=4", "--T", "64"]) == ["--T", "64"]
+
+
+def test_train_nproc_2_equals_one_process_with_2_micro_batches(tmp_path):
+    """`--nproc 2` (torchrun, gloo) = one process accumulating the same two micro-batches per step."""
+    pytest.importorskip("packgraph.distributed")
+    common = ["train", "--device", "cpu", "--steps", "3", "--T", "128", "--max-docs", "3", "--no-progress"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    for name, extra in (("dp", ["--nproc", "2"]), ("accum", ["--grad-accum", "2"])):
+        proc = subprocess.run(
+            [sys.executable, "-m", "packgraph", *common, "--out-dir", str(tmp_path / name), *extra],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[-2000:]
+    logs = {
+        n: [json.loads(x) for x in (tmp_path / n / "train.jsonl").read_text().splitlines()] for n in ("dp", "accum")
+    }
+    assert [r["step"] for r in logs["dp"]] == [1, 2, 3]
+    for a, b in zip(logs["dp"], logs["accum"], strict=True):
+        assert a["tokens"] == b["tokens"] and a["buckets"] == b["buckets"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)

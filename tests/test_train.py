@@ -1,0 +1,220 @@
+"""Training loop, data pipeline, checkpoint/resume and log tools, on CPU with the tiny preset."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from packgraph.data.corpus import VOCAB_SIZE, load_corpus
+from packgraph.data.stream import DataStream, corpus_documents, split_documents
+from packgraph.models.gpt import GPT
+from packgraph.runlog import convergence_report, ema, read_log, throughput
+from packgraph.train import TrainConfig, accumulate_gradients, train
+
+
+def tiny_cfg(tmp_path, name="run", **kw) -> TrainConfig:
+    base = dict(
+        preset="tiny",
+        steps=30,
+        T=256,
+        lr=3e-3,
+        warmup_steps=3,
+        max_docs=20,
+        device="cpu",
+        out_dir=str(tmp_path / name),
+        progress=False,
+        plot=False,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_tiny_trains_and_loss_decreases(tmp_path):
+    cfg = tiny_cfg(tmp_path, save_checkpoint=False)
+    result = train(cfg, echo=None)
+    losses = result.losses
+    assert len(losses) == 30 and all(math.isfinite(v) for v in losses)
+    # An untrained model predicts roughly uniformly over the vocabulary: loss near ln(V).
+    assert abs(losses[0] - math.log(VOCAB_SIZE)) < 0.5
+    start, end = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert end < start - 0.8, (start, end)
+
+    rows = read_log(result.log_path)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert [r["loss"] for r in rows] == losses
+    for i, r in enumerate(rows):
+        # The schedule, from its closed form: linear warm-up over 3 steps, cosine to 0.1 * lr at the last step.
+        if i < 3:
+            want = 3e-3 * (i + 1) / 3
+        else:
+            want = 3e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (i - 3) / (30 - 1 - 3))))
+        assert r["lr"] == pytest.approx(want, rel=1e-12)
+        assert r["real_token_fraction"] == pytest.approx(r["tokens"] / 256)
+        assert 0 < r["tokens"] <= 256 and r["target_tokens"] < r["tokens"]
+        assert r["graphs"] == 0 and r["recaptures"] == 0 and r["step_ms"] > 0
+    summary = json.loads((result.out_dir / "summary.json").read_text())
+    assert summary["final_loss"] == losses[-1]
+
+
+def test_resume_continues_the_same_loss_curve_bitwise(tmp_path):
+    full = train(tiny_cfg(tmp_path, "full", steps=10, checkpoint_every=5), echo=None)
+    resumed = train(
+        tiny_cfg(tmp_path, "resumed", steps=10, resume=str(tmp_path / "full" / "checkpoint-000005.pt")), echo=None
+    )
+    assert resumed.first_step == 5
+    assert resumed.losses == full.losses[5:]  # bitwise: same params, optimizer, schedule, RNG and batches
+    a = torch.load(full.checkpoint_path, weights_only=False)
+    b = torch.load(resumed.checkpoint_path, weights_only=False)
+    assert a["step"] == b["step"] == 10 and a["data"] == b["data"]
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+    assert [r["step"] for r in read_log(resumed.log_path)] == list(range(6, 11))
+
+
+def test_resume_rejects_a_different_model(tmp_path):
+    train(tiny_cfg(tmp_path, "a", steps=2), echo=None)
+    with pytest.raises(ValueError, match="different model"):
+        train(tiny_cfg(tmp_path, "b", steps=4, model_overrides={"n_layer": 3}, resume=str(tmp_path / "a")), echo=None)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(tiny_cfg(tmp_path, "c", resume=str(tmp_path / "missing")), echo=None)
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_labels_never_cross_documents(multiple):
+    """Through the whole pipeline: every target is the next token of the same document, checked from offsets."""
+    cfg = TrainConfig(T=512, max_docs=15, seed=3, pad_to_multiple=multiple)
+    docs = corpus_documents(cfg)
+    data = DataStream(docs, T=512, policy=cfg.bucket_policy(), seed=3, pad_to_multiple=multiple)
+    checked = 0
+    for _ in range(12):
+        b = next(data)
+        host = b.packed_seq_params.host_offsets
+        real = host["cu_seqlens_q"]
+        layout = host.get("cu_seqlens_q_padded", real)
+        owner = torch.full((512,), -1)
+        for i in range(len(b.doc_lengths)):
+            n = real[i + 1] - real[i]
+            owner[layout[i] : layout[i] + n] = i
+        for r in range(512):
+            if b.labels[r] != -100:
+                assert r + 1 < 512 and owner[r] >= 0 and owner[r + 1] == owner[r], r
+                assert b.labels[r] == b.tokens[r + 1]
+                checked += 1
+            elif owner[r] >= 0:
+                assert r + 1 == 512 or owner[r + 1] != owner[r]  # only a document's last token lacks a target
+        assert torch.equal(b.loss_mask, (b.labels != -100).float())
+        assert b.loss_mask.sum() == b.num_real_tokens
+        # Each document in the batch is one contiguous piece of a corpus file.
+        for i in range(len(b.doc_lengths)):
+            piece = b.tokens[layout[i] : layout[i] + real[i + 1] - real[i]]
+            assert any(torch.equal(piece, d) for d in docs if d.numel() == piece.numel())
+    assert checked > 12 * 400 // multiple
+
+
+def test_split_documents_keeps_every_token():
+    docs = load_corpus(max_docs=5)
+    pieces = split_documents(docs, 300, min_len=40, seed=1)
+    assert torch.equal(torch.cat(pieces), torch.cat(docs))
+    assert all(1 <= p.numel() <= 300 for p in pieces)
+    inner = [p.numel() for p in pieces if p.numel() < 40]
+    assert len(inner) <= len(docs)  # only a file's last piece may be shorter than min_len
+    assert [p.numel() for p in split_documents(docs, 300, min_len=40, seed=1)] == [p.numel() for p in pieces]
+    want = []
+    for d in docs:
+        n = d.numel()
+        want += [300] * (n // 300) + ([n % 300] if n % 300 else [])
+    assert [p.numel() for p in split_documents(docs, 300)] == want
+
+
+def test_data_stream_is_deterministic_and_visits_every_bin_once_per_epoch():
+    cfg = TrainConfig(T=256, max_docs=6)
+    docs = corpus_documents(cfg)
+    a = DataStream(docs, T=256, policy=cfg.bucket_policy(), seed=5)
+    b = DataStream(docs, T=256, policy=cfg.bucket_policy(), seed=5)
+    n = a.bins_per_epoch
+    seen = []
+    for _ in range(n):
+        x, y = next(a), next(b)
+        assert torch.equal(x.tokens, y.tokens)
+        seen.append(x.tokens)
+    bins = {tuple(t.tolist()) for t in seen}
+    assert len(bins) == n  # a permutation of the bins: nothing repeated or skipped
+    first_of_epoch_1 = next(a)
+    assert a.state_dict() == {"epoch": 1, "position": 1}
+    assert tuple(first_of_epoch_1.tokens.tolist()) in bins
+    # Restoring a position gives exactly the batch that came next.
+    c = DataStream(docs, T=256, policy=cfg.bucket_policy(), seed=5)
+    c.load_state_dict({"epoch": 0, "position": 3})
+    assert torch.equal(next(c).tokens, seen[3])
+    other = DataStream(docs, T=256, policy=cfg.bucket_policy(), seed=6)
+    assert not all(torch.equal(next(other).tokens, s) for s in seen[:3])
+
+
+def test_grad_accumulation_equals_one_big_batch():
+    cfg = TrainConfig(T=128, max_docs=4, seed=1)
+    data = DataStream(corpus_documents(cfg), T=128, policy=cfg.bucket_policy(), seed=1)
+    micro = [next(data) for _ in range(3)]
+    torch.manual_seed(0)
+    model = GPT(cfg.model_config()).double()
+    loss = accumulate_gradients(model, micro, torch.device("cpu"))
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    # Reference: CE summed over every target of the three batches, divided by their count.
+    model.zero_grad(set_to_none=True)
+    ce_sum, count = 0.0, 0
+    for b in micro:
+        logits = model(b.tokens, b.packed_seq_params)
+        ce_sum = ce_sum + F.cross_entropy(logits, b.labels, ignore_index=-100, reduction="sum")
+        count += int((b.labels != -100).sum())
+    ref = ce_sum / count
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="unknown preset"):
+        TrainConfig(preset="nope").validate()
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0).validate()
+    with pytest.raises(ValueError, match="above T"):
+        TrainConfig(T=256, max_seqlen_ladder=(128, 512)).validate()
+    with pytest.raises(ValueError, match="strictly increasing"):
+        TrainConfig(capacity_ladder=(8, 8)).validate()
+    with pytest.raises(ValueError, match="CUDA"):
+        train(TrainConfig(graphs=True, device="cpu", steps=1))
+
+
+def test_ema_and_convergence_report(tmp_path):
+    values = [5.0, 4.0, 3.5, 3.0]
+    # Independent: the debiased EMA is the weighted mean with weights beta^(t-i).
+    for t in range(1, 5):
+        w = [0.9 ** (t - i) for i in range(1, t + 1)]
+        want = sum(wi * v for wi, v in zip(w, values[:t], strict=True)) / sum(w)
+        assert ema(values, 0.9)[t - 1] == pytest.approx(want, rel=1e-12)
+    ref = [{"step": s, "loss": 4.0 - 0.1 * s, "tokens": 100, "step_ms": 10.0} for s in range(1, 21)]
+    off = [dict(r, loss=r["loss"] * 1.02, step_ms=5.0) for r in ref]
+    report = convergence_report({"eager": ref, "graphed": off}, beta=0.9)
+    assert report["max_rel_diff"]["graphed"] == pytest.approx(0.02, rel=1e-9)
+    assert report["tokens_per_s"]["eager"] == pytest.approx(10_000)
+    assert report["tokens_per_s"]["graphed"] == pytest.approx(20_000)
+    assert report["final_loss"]["eager"] == pytest.approx(2.0) and report["common_steps"] == 20
+
+    # Steady throughput leaves out warm-up steps and steps that captured graphs; overall keeps everything.
+    rows = [{"tokens": 100, "step_ms": 10.0, "captures": 1} for _ in range(20)]
+    rows[0] = dict(rows[0], step_ms=5000.0)  # first step: warm-up + first capture
+    rows[12] = {"tokens": 100, "step_ms": 900.0, "captures": 2}  # a new bucket captured here
+    rows[13:] = [dict(r, captures=2) for r in rows[13:]]
+    steady, overall = throughput(rows)
+    assert steady == pytest.approx(100 / 0.01)
+    assert overall == pytest.approx(2000 / (5.0 + 0.9 + 18 * 0.01))
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 1, "loss": 2.0}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        read_log(bad)
+    with pytest.raises(FileNotFoundError):
+        read_log(tmp_path / "missing.jsonl")
