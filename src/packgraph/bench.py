@@ -1,0 +1,536 @@
+"""``packgraph bench``: packgraph against eager, torch.compile and padded batching, measured side by side.
+
+A run measures a matrix of cells (GPT preset x tokens per step ``T`` x length mix), every method in each cell
+(:mod:`packgraph.bench_methods`), and optionally the attention micro-benchmark (:mod:`packgraph.bench_attention`).
+It writes, under ``--out`` (default ``bench/results/<YYYY-MM-DD>-<gpu-slug>/``):
+
+* ``results.json``: ``machine`` (GPU, driver, CPU, versions), ``runs`` (the exact argv of each run), ``streams``,
+  ``records`` (one per model x T x mix x method), ``attention`` rows, ``attention_summary`` and
+  ``attention_recommendation``, ``targets``;
+* ``results.md``: the tables and the met / not-met target lines;
+* ``step_ms.png`` and ``attention.png`` when matplotlib is installed.
+
+Runs **append**: a later run into the same directory replaces records with the same (model, T, mix, method)
+and keeps the rest, so the full matrix can be measured in parts (``--models``, ``--T``, ``--mixes``,
+``--methods``). Results are saved after every method, so a run that is killed keeps what it measured.
+A method that fails records its error string; the matrix goes on.
+
+Presets: ``--quick`` (what ``scripts/gpu-check`` runs: small, T=2048, corpus, the key methods, a reduced
+attention sweep; a few minutes on an H200), ``--full`` (the issue's matrix; add ``--attention`` once for its
+sweep), ``--dry-run`` (a tiny CPU matrix with ``perf_counter`` timing that exercises the harness end to end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from packgraph.bench_data import MIXES, batch_stream, stream_stats
+from packgraph.bench_methods import ALL_METHODS, CUDA_ONLY_METHODS, METHODS, make_method, measure, release
+from packgraph.bench_report import (
+    check_targets,
+    derive,
+    format_targets,
+    readme_table,
+    record_key,
+    results_markdown,
+    results_table,
+)
+from packgraph.buckets import default_buckets
+from packgraph.models.gpt import GPT, GPTConfig
+
+__all__ = ["PRESETS", "check_targets", "machine_info", "main", "readme_table", "run_bench"]
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "quick": dict(
+        models=["small"],
+        T=[2048],
+        mixes=["corpus"],
+        methods=["eager", "padded", "packgraph", "packgraph-model", "compile-ro", "compile-ro-raw"],
+        steps=20,
+        warmup=3,
+        graph_batches=50,
+        graph_budget_s=10.0,
+        attention=dict(T=[8192], mixes=["corpus", "short"], head_dims=[64, 128], heads=16, packings=3, reps=5),
+        max_corpus_docs=None,
+    ),
+    "full": dict(
+        models=["small", "medium", "large"],
+        T=[2048, 8192, 16384],
+        mixes=list(MIXES),
+        methods=list(METHODS),
+        steps=20,
+        warmup=3,
+        graph_batches=200,
+        graph_budget_s=60.0,
+        attention=dict(T=[8192, 16384], mixes=list(MIXES), head_dims=[64, 128], heads=16, packings=6, reps=10),
+        max_corpus_docs=None,
+    ),
+    "dry-run": dict(
+        models=["tiny"],
+        T=[128],
+        mixes=["corpus", "short"],
+        methods=["eager", "padded"],
+        steps=3,
+        warmup=1,
+        graph_batches=0,
+        graph_budget_s=0.0,
+        attention=dict(T=[128], mixes=["short"], head_dims=[16], heads=2, packings=2, reps=2),
+        max_corpus_docs=48,
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------- machine
+def _run(cmd: Sequence[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """GPU name and driver (when readable), CPU, date and the torch / triton / CUDA / Python versions."""
+    info: dict[str, Any] = {
+        "device": str(device),
+        "gpu": None,
+        "driver": None,
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        if smi:
+            info["driver"] = smi.splitlines()[0].strip()
+        else:
+            try:
+                text = Path("/proc/driver/nvidia/version").read_text()
+                match = re.search(r"Kernel Module\s+(\S+)", text)
+                info["driver"] = match.group(1) if match else None
+            except OSError:
+                pass
+    return info
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def default_out_dir(device: torch.device, dry_run: bool) -> Path:
+    """``bench/results/<YYYY-MM-DD>-<gpu-slug>/`` (``cpu``, and ``-dry-run`` for dry runs)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    suffix = "-dry-run" if dry_run else ""
+    return Path("bench") / "results" / f"{dt.date.today().isoformat()}-{_slug(name)}{suffix}"
+
+
+# ---------------------------------------------------------------------------------------------- progress
+class _Progress:
+    """tqdm when installed, else one line per unit."""
+
+    def __init__(self, total: int) -> None:
+        self._bar = None
+        if sys.stderr.isatty():  # a log file gets plain lines, not carriage-return redraws
+            try:
+                from tqdm.auto import tqdm
+
+                self._bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
+            except ImportError:
+                pass
+        self.total, self.done = total, 0
+
+    def describe(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(text)
+        else:
+            print(f"[bench {self.done}/{self.total}] {text}", file=sys.stderr, flush=True)
+
+    def advance(self) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def write(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# ---------------------------------------------------------------------------------------------- results
+def _load(path: Path) -> dict[str, Any]:
+    if path.exists():
+        doc = json.loads(path.read_text())
+        doc.setdefault("runs", [])
+        return doc
+    return {"machine": None, "runs": [], "streams": [], "records": [], "attention": [], "attention_summary": []}
+
+
+def _merge(items: list[dict], new: dict, key) -> None:
+    """Replace the item with ``new``'s key, or append."""
+    k = key(new)
+    for i, item in enumerate(items):
+        if key(item) == k:
+            items[i] = new
+            return
+    items.append(new)
+
+
+def _attention_key(r: dict) -> tuple:
+    return r["T"], r["mix"], r["head_dim"], r["heads"], r["packing"], r["max_seqlen"], r["capacity"]
+
+
+def save(doc: dict[str, Any], out: Path, *, plots: bool = False) -> None:
+    """Recompute the derived figures and targets, then write results.json, results.md (and the plots)."""
+    derive(doc["records"])
+    doc["targets"] = check_targets(doc)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=False, default=str) + "\n")
+    tmp.replace(out / "results.json")
+    (out / "results.md").write_text(results_markdown(doc))
+    if plots:
+        from packgraph.bench_plots import plot_results
+
+        try:
+            plot_results(doc, out)
+        except Exception as exc:  # a plotting problem must not lose the measurements (already written)
+            print(f"warning: plots not written: {_describe_error(exc)}", file=sys.stderr)
+
+
+def _error_record(model: str, T: int, mix: str, method: str, device: torch.device, err: str, run: int) -> dict:
+    return dict(
+        model=model,
+        T=T,
+        mix=mix,
+        method=method,
+        status="error",
+        error=err,
+        device=str(device),
+        timer=None,
+        steps=0,
+        **dict.fromkeys(
+            (
+                "step_ms",
+                "step_ms_p10",
+                "step_ms_p90",
+                "real_tokens_per_step",
+                "tokens_per_s",
+                "speedup_vs_eager",
+                "gpu_busy_ms",
+                "gpu_copy_ms",
+                "step_over_busy",
+                "first_step_s",
+                "first_loss",
+                "first_loss_vs_eager",
+                "graphs",
+                "graph_batches",
+                "predicted_graphs",
+                "recompiles",
+                "peak_mem_mib",
+                "peak_mem_timed_mib",
+            )
+        ),
+        extra={},
+        run=run,
+    )
+
+
+def _describe_error(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return (text[:600] + "...") if len(text) > 600 else text + where
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def run_bench(cfg: dict[str, Any], out: Path, argv: Sequence[str], device: torch.device) -> dict[str, Any]:
+    """Run the matrix and the attention sweep described by ``cfg`` (a resolved preset), appending to ``out``."""
+    doc = _load(out / "results.json")
+    machine = machine_info(device)
+    if doc.get("machine") and doc["machine"].get("gpu") != machine["gpu"]:
+        print(f"warning: {out} holds results from {doc['machine'].get('gpu')}; appending {machine['gpu']}")
+    doc["machine"] = doc.get("machine") or machine
+    run_index = len(doc["runs"])
+    doc["runs"].append({"argv": list(argv), "date": machine["date"], "machine": machine, "config": cfg})
+    att = cfg["attention"]
+    n_att = len(att["T"]) * len(att["mixes"]) * len(att["head_dims"]) * att["packings"] if cfg["run_attention"] else 0
+    n_cells = len(cfg["models"]) * len(cfg["T"]) * len(cfg["mixes"]) * len(cfg["methods"]) if cfg["run_matrix"] else 0
+    progress = _Progress(n_cells + n_att)
+    try:
+        # the attention sweep is short: run it first, so a run cut short by a time limit still has it
+        if cfg["run_attention"]:
+            _run_attention(cfg, doc, out, device, progress)
+        if cfg["run_matrix"]:
+            _run_matrix(cfg, doc, out, device, run_index, progress)
+    finally:
+        progress.close()
+        doc["runs"][run_index]["finished"] = dt.datetime.now().astimezone().isoformat(timespec="seconds")
+        save(doc, out, plots=True)
+    return doc
+
+
+def _run_matrix(cfg: dict, doc: dict, out: Path, device: torch.device, run: int, progress: _Progress) -> None:
+    n_stream = max(cfg["steps"], cfg["graph_batches"]) + 1
+    for T in cfg["T"]:
+        policy = default_buckets(T)
+        for mix in cfg["mixes"]:
+            progress.describe(f"building the {mix} stream for T={T}")
+            stream = batch_stream(mix, T, n_stream, seed=cfg["seed"], max_corpus_docs=cfg["max_corpus_docs"])
+            stats = stream_stats(mix, T, stream[: max(cfg["graph_batches"], cfg["steps"])], policy)
+            _merge(doc.setdefault("streams", []), asdict(stats), lambda s: (s["T"], s["mix"]))
+            for model_name in cfg["models"]:
+                for method in cfg["methods"]:
+                    progress.describe(f"{model_name} T={T} {mix} {method}")
+                    record = _run_one(model_name, T, mix, method, stream, policy, cfg, device, run)
+                    _merge(doc["records"], record, record_key)
+                    save(doc, out)
+                    line = f"{model_name} T={T} {mix} {method}: "
+                    if record["status"] == "ok":
+                        line += f"{record['step_ms']:.2f} ms/step, first step {record['first_step_s']:.1f} s"
+                    else:
+                        line += record["error"]
+                    progress.write(line)
+                    progress.advance()
+
+
+def _run_one(model_name, T, mix, method, stream, policy, cfg, device, run) -> dict[str, Any]:
+    if method in CUDA_ONLY_METHODS and device.type != "cuda":
+        skipped = _error_record(model_name, T, mix, method, device, "needs CUDA (no CUDA device here)", run)
+        return skipped | {"status": "skipped"}
+    model = bench_method = None
+    try:
+        torch.manual_seed(cfg["seed"])
+        with torch.device(device):  # initialise on the device: the same weights for every method
+            model = GPT(GPTConfig.preset(model_name))
+        bench_method = make_method(method, model, policy, device)
+        m = measure(
+            bench_method,
+            stream,
+            steps=cfg["steps"],
+            warmup=cfg["warmup"],
+            graph_batches=cfg["graph_batches"],
+            graph_budget_s=cfg["graph_budget_s"],
+            profile=cfg["profile"],
+        )
+        record = dict(model=model_name, T=T, mix=mix, method=method, status="ok", error=None, device=str(device))
+        derived = dict(tokens_per_s=None, speedup_vs_eager=None, step_over_busy=None, first_loss_vs_eager=None)
+        return record | asdict(m) | derived | dict(run=run)
+    except Exception as exc:  # one failing method must not stop the matrix
+        return _error_record(model_name, T, mix, method, device, _describe_error(exc), run)
+    finally:
+        if bench_method is not None:
+            try:
+                bench_method.close()
+            except Exception as exc:  # cleanup must not end the matrix (e.g. after a device-side fault)
+                print(f"warning: closing {method} failed: {_describe_error(exc)}", file=sys.stderr)
+        del model, bench_method
+        release(device)
+
+
+def _run_attention(cfg: dict, doc: dict, out: Path, device: torch.device, progress: _Progress) -> None:
+    from packgraph.bench_attention import attention_benchmark, evaluate_ladders, recommend_ladder
+
+    att = cfg["attention"]
+    progress.describe("attention micro-benchmark")
+    try:
+        rows = attention_benchmark(
+            att["T"],
+            att["mixes"],
+            att["head_dims"],
+            heads=att["heads"],
+            packings=att["packings"],
+            reps=att["reps"],
+            seed=cfg["seed"],
+            device=device,
+            max_corpus_docs=cfg["max_corpus_docs"],
+            on_packing=progress.advance,
+        )
+    except Exception as exc:
+        progress.write(f"attention micro-benchmark failed: {_describe_error(exc)}")
+        doc["attention_error"] = _describe_error(exc)
+        return
+    for row in rows:
+        _merge(doc.setdefault("attention", []), row, _attention_key)
+    doc["attention_summary"] = evaluate_ladders(doc["attention"])
+    doc["attention_recommendation"] = {str(T): rec for T, rec in recommend_ladder(doc["attention_summary"]).items()}
+    save(doc, out)
+
+
+def publish_report(
+    path: Path, records: Sequence[dict[str, Any]], doc: dict[str, Any], *, attention: bool = True
+) -> None:
+    """Append this run's records (and its attention ladder when ``attention``) and the target verdicts to
+    ``scripts/gpu-check``'s report (JSON lines)."""
+    rows = []
+    for r in records:
+        if r["status"] != "ok":
+            value = f"{r['status']}: {(r['error'] or '')[:100]}"
+        else:
+            value = f"{r['step_ms']:.2f} ms"
+            for label, key, spec in (("x eager", "speedup_vs_eager", ".2f"), ("x busy", "step_over_busy", ".2f")):
+                if r.get(key) is not None:
+                    value += f", {format(r[key], spec)}{label}"
+            value += f", first step {r['first_step_s']:.1f} s"
+            if r.get("graphs") is not None:
+                value += f", {r['graphs']} graphs / {r['graph_batches']} batches"
+        rows.append({"name": f"bench {r['model']} T={r['T']} {r['mix']} {r['method']}", "value": value})
+    for T, rec in (doc.get("attention_recommendation") or {}).items() if attention else ():
+        value = "none within 1.10x" if rec is None else f"{rec['max_seqlen_ladder']} x {rec['capacity_ladder']}"
+        rows.append({"name": f"bench attention T={T}: ladder within 1.10x, fewest buckets", "value": value})
+    verdict = {True: "met", False: "NOT met", None: "not measured"}
+    for t in doc.get("targets", []):
+        rows.append({"name": f"target: {t['target']}", "value": f"{verdict[t['met']]} ({t['detail'][:160]})"})
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps({"test": "packgraph bench", **row, "unit": ""}) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _csv(kind):
+    def parse(text: str) -> list:
+        items = [kind(x) for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("expected a comma-separated list")
+        return items
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="packgraph bench",
+        description="Benchmark packgraph against eager, torch.compile and padded batching; write JSON, Markdown "
+        "and PNG under --out. Runs append to the same directory.",
+    )
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true", help="the gpu-check preset (default): small, T=2048, corpus")
+    preset.add_argument("--full", action="store_true", help="the full matrix: small/medium/large x 3 T x 3 mixes")
+    preset.add_argument("--dry-run", action="store_true", help="a tiny CPU matrix (perf_counter timing)")
+    p.add_argument("--out", type=Path, help="results directory (default bench/results/<date>-<gpu>/)")
+    p.add_argument("--models", type=_csv(str), help="GPT presets, e.g. small,medium")
+    p.add_argument("--T", type=_csv(int), help="tokens per step, e.g. 2048,8192")
+    p.add_argument("--mixes", type=_csv(str), help=f"length mixes from {','.join(MIXES)}")
+    p.add_argument("--methods", type=_csv(str), help=f"methods from {','.join(ALL_METHODS)}")
+    p.add_argument("--steps", type=int, help="timed steps per method (the median is reported)")
+    p.add_argument("--warmup", type=int, help="warm-up steps of methods without a graph/compile cache")
+    p.add_argument("--graph-batches", type=int, help="varied batches over which graphs are counted")
+    p.add_argument("--graph-budget-s", type=float, help="time cap of the graph-count phase per method")
+    p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler GPU-busy step")
+    att = p.add_mutually_exclusive_group()
+    att.add_argument(
+        "--attention", action="store_true", help="also run the attention micro-benchmark (default with --quick)"
+    )
+    att.add_argument("--attention-only", action="store_true", help="run only the attention micro-benchmark")
+    att.add_argument("--no-attention", action="store_true", help="skip the attention micro-benchmark")
+    p.add_argument("--attention-T", type=_csv(int), help="T values of the attention sweep")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", help="override the device (default: cuda when available; cpu for --dry-run)")
+    return p
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """The preset named by the flags, with every explicit flag applied over it.
+
+    Raises:
+        ValueError: an unknown model, mix or method, or a non-positive count.
+    """
+    name = "dry-run" if args.dry_run else "full" if args.full else "quick"
+    cfg = json.loads(json.dumps(PRESETS[name]))  # a deep copy
+    cfg["preset"] = name
+    for key in ("models", "T", "mixes", "methods", "steps", "warmup", "graph_batches", "graph_budget_s"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    if args.attention_T:
+        cfg["attention"]["T"] = args.attention_T
+    if args.mixes:
+        cfg["attention"]["mixes"] = args.mixes
+    cfg["seed"], cfg["profile"] = args.seed, not args.no_profile
+    # --quick and --dry-run include the attention sweep; --full runs it only when asked, since a full matrix is
+    # usually measured in parts and the sweep needs running once
+    cfg["run_attention"] = args.attention or args.attention_only or (name != "full" and not args.no_attention)
+    cfg["run_matrix"] = not args.attention_only
+    from packgraph.models.gpt import PRESETS as MODEL_PRESETS
+
+    for key, known in (("models", MODEL_PRESETS), ("mixes", MIXES), ("methods", ALL_METHODS)):
+        unknown = [x for x in cfg[key] if x not in known]
+        if unknown:
+            raise ValueError(f"unknown {key} {unknown}; choose from {','.join(known)}")
+    if cfg["steps"] < 1 or cfg["warmup"] < 0 or cfg["graph_batches"] < 0 or any(T < 1 for T in cfg["T"]):
+        raise ValueError("--steps must be >= 1, --warmup and --graph-batches >= 0, every T >= 1")
+    return cfg
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``packgraph bench``; returns the exit status (0 when at least one measurement worked)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = resolve(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.device:
+        device = torch.device(args.device)
+    elif args.dry_run or not torch.cuda.is_available():
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda" and not args.dry_run:
+        print("warning: no CUDA device; CUDA-only methods are skipped and timings are CPU timings", file=sys.stderr)
+    out = args.out or default_out_dir(device, args.dry_run)
+    started = time.perf_counter()
+    doc = run_bench(cfg, out, argv, device)
+    records = [r for r in doc["records"] if r.get("run") == len(doc["runs"]) - 1]
+    print(results_table(records))
+    print("\nTargets:\n" + format_targets(doc["targets"]))
+    print(f"\nwrote {out}/results.json and results.md in {time.perf_counter() - started:.0f} s")
+    if os.environ.get("PACKGRAPH_REPORT"):
+        publish_report(Path(os.environ["PACKGRAPH_REPORT"]), records, doc, attention=cfg["run_attention"])
+    ok = any(r["status"] == "ok" for r in records) or (not cfg["run_matrix"] and bool(doc.get("attention")))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,416 @@
+"""Tables and target checks for ``packgraph bench`` results (pure Python: no torch, no device).
+
+The results document (``results.json``) holds ``machine``, ``runs``, ``streams``, ``records`` (one per
+model x T x mix x method), ``attention`` (micro-benchmark rows) and ``attention_summary``. Everything here reads
+that document, so the README table and the target lines can be regenerated from committed results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "RECORD_FIELDS",
+    "TABLE_COLUMNS",
+    "attention_table",
+    "check_targets",
+    "derive",
+    "format_targets",
+    "load_results",
+    "readme_table",
+    "record_key",
+    "results_markdown",
+    "results_table",
+    "sort_records",
+]
+
+RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "model": (str,),
+    "T": (int,),
+    "mix": (str,),
+    "method": (str,),
+    "status": (str,),
+    "error": (str, type(None)),
+    "device": (str,),
+    "timer": (str, type(None)),
+    "steps": (int,),
+    "step_ms": (float, type(None)),
+    "step_ms_p10": (float, type(None)),
+    "step_ms_p90": (float, type(None)),
+    "real_tokens_per_step": (float, type(None)),
+    "tokens_per_s": (float, type(None)),
+    "speedup_vs_eager": (float, type(None)),
+    "gpu_busy_ms": (float, type(None)),
+    "gpu_copy_ms": (float, type(None)),
+    "step_over_busy": (float, type(None)),
+    "first_step_s": (float, type(None)),
+    "first_loss": (float, type(None)),
+    "first_loss_vs_eager": (float, type(None)),
+    "graphs": (int, type(None)),
+    "graph_batches": (int, type(None)),
+    "predicted_graphs": (int, type(None)),
+    "recompiles": (int, type(None)),
+    "peak_mem_mib": (float, type(None)),
+    "peak_mem_timed_mib": (float, type(None)),
+    "extra": (dict,),
+    "run": (int,),
+}
+"""Every key of a record and the JSON types its value may have."""
+
+TABLE_COLUMNS: tuple[str, ...] = (
+    "model",
+    "T",
+    "mix",
+    "method",
+    "step ms",
+    "tok/s",
+    "x eager",
+    "GPU-busy ms",
+    "step/busy",
+    "first step s",
+    "graphs",
+    "recompiles",
+    "peak MiB",
+    "status",
+)
+
+LOSS_TOLERANCE = 0.02
+"""Relative first-loss difference vs eager above which results.md flags a method (bf16 noise is far below)."""
+
+_MODEL_ORDER = ("tiny", "small", "medium", "large")
+_MIX_ORDER = ("corpus", "short", "long")
+_METHOD_ORDER = (
+    "eager",
+    "packgraph",
+    "packgraph-model",
+    "packgraph+compile",
+    "compile",
+    "compile-ro",
+    "compile-ro-raw",
+    "padded",
+    "padded-mask",
+)
+_GRAPHED = ("packgraph", "packgraph-model", "packgraph+compile")
+
+
+def _order(value: str, order: Sequence[str]) -> tuple[int, str]:
+    return (order.index(value) if value in order else len(order), value)
+
+
+def record_key(r: Mapping[str, Any]) -> tuple:
+    """The identity of a record: ``(model, T, mix, method)``; a later run replaces a record with the same key."""
+    return r["model"], r["T"], r["mix"], r["method"]
+
+
+def sort_records(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Records in table order: model size, T, mix, method."""
+    return sorted(
+        records,
+        key=lambda r: (
+            _order(r["model"], _MODEL_ORDER),
+            r["T"],
+            _order(r["mix"], _MIX_ORDER),
+            _order(r["method"], _METHOD_ORDER),
+        ),
+    )
+
+
+def load_results(results: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A results document from a ``results.json`` path (or its directory), or the document itself."""
+    if isinstance(results, Mapping):
+        return results
+    path = Path(results)
+    if path.is_dir():
+        path = path / "results.json"
+    return json.loads(path.read_text())
+
+
+def derive(records: list[dict[str, Any]]) -> None:
+    """Fill the derived figures in place: tokens/s, speedup vs the same cell's eager record, step/busy."""
+    eager = {record_key(r)[:3]: r for r in records if r["method"] == "eager" and r["status"] == "ok"}
+    for r in records:
+        step = r.get("step_ms")
+        ok = r["status"] == "ok" and step
+        r["tokens_per_s"] = r["real_tokens_per_step"] / (step / 1e3) if ok and r.get("real_tokens_per_step") else None
+        base = eager.get(record_key(r)[:3])
+        r["speedup_vs_eager"] = base["step_ms"] / step if ok and base is not None else None
+        busy = r.get("gpu_busy_ms")
+        r["step_over_busy"] = step / busy if ok and busy else None
+        # every method starts from the same weights and batch: its first loss must be eager's (bf16 noise aside)
+        loss, ref = r.get("first_loss"), base.get("first_loss") if base is not None else None
+        r["first_loss_vs_eager"] = abs(loss - ref) / max(abs(ref), 1e-12) if ok and loss is not None and ref else None
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def _fmt(value: Any, spec: str = ".3g") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return format(value, spec)
+    return str(value)
+
+
+def _row(r: Mapping[str, Any]) -> list[str]:
+    graphs = _fmt(r.get("graphs"))
+    if r.get("graphs") is not None and r.get("graph_batches"):
+        graphs += f" / {r['graph_batches']}"
+    status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r.get('error') or '')[:80]}"
+    return [
+        r["model"],
+        str(r["T"]),
+        r["mix"],
+        r["method"],
+        _fmt(r.get("step_ms"), ".2f"),
+        _fmt(r.get("tokens_per_s"), ".3g"),
+        _fmt(r.get("speedup_vs_eager"), ".2f"),
+        _fmt(r.get("gpu_busy_ms"), ".2f"),
+        _fmt(r.get("step_over_busy"), ".2f"),
+        _fmt(r.get("first_step_s"), ".2f"),
+        graphs,
+        _fmt(r.get("recompiles")),
+        _fmt(r.get("peak_mem_mib"), ".0f"),
+        status.replace("|", "/").replace("\n", " "),
+    ]
+
+
+def _markdown(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def results_table(records: Iterable[Mapping[str, Any]]) -> str:
+    """The main Markdown table: one row per record, :data:`TABLE_COLUMNS`."""
+    return _markdown(TABLE_COLUMNS, (_row(r) for r in sort_records(records)))
+
+
+def attention_table(summary: Iterable[Mapping[str, Any]]) -> str:
+    """Markdown table of :func:`packgraph.bench_attention.evaluate_ladders` output."""
+    header = ("T", "ladder", "buckets", "worst ratio", "mean ratio", "worst by mix", "packings", "missing")
+    rows = []
+    for s in sorted(summary, key=lambda s: (s["T"], s["buckets"], s["ladder"])):
+        by_mix = ", ".join(f"{m} {v:.2f}" for m, v in sorted(s["worst_ratio_by_mix"].items()))
+        rows.append(
+            (
+                str(s["T"]),
+                s["ladder"],
+                str(s["buckets"]),
+                _fmt(s["worst_ratio"], ".2f"),
+                _fmt(s["mean_ratio"], ".2f"),
+                by_mix or "-",
+                str(s["packings"]),
+                str(s["missing"]),
+            )
+        )
+    return _markdown(header, rows)
+
+
+def _machine_line(doc: Mapping[str, Any]) -> str:
+    m = doc.get("machine") or {}
+    where = f"{m['gpu']} (driver {m.get('driver') or '?'})" if m.get("gpu") else f"CPU {m.get('cpu', '?')}"
+    return (
+        f"{where}, torch {m.get('torch', '?')} (CUDA {m.get('cuda') or '-'}), triton {m.get('triton') or '-'}, "
+        f"Python {m.get('python', '?')}, {m.get('date', '?')}"
+    )
+
+
+def results_markdown(doc: Mapping[str, Any]) -> str:
+    """The whole ``results.md``: machine, the main table, stream statistics, attention ladders, targets."""
+    parts = [
+        "# packgraph bench results",
+        "",
+        f"Machine: {_machine_line(doc)}",
+        "",
+        "Runs: " + "; ".join("`packgraph bench " + " ".join(run.get("argv", [])) + "`" for run in doc.get("runs", [])),
+        "",
+        "Step ms: median of the timed steps (full training step: fwd, bwd, AdamW). GPU-busy: summed kernel "
+        "durations of one step (torch.profiler). graphs: recorded over the batches shown.",
+        "",
+        "## Steps",
+        "",
+        results_table(doc.get("records", [])),
+    ]
+    streams = doc.get("streams", [])
+    if streams:
+        header = ("T", "mix", "batches", "docs/batch", "mean max_seqlen", "real tokens", "buckets", "exact sigs")
+        rows = [
+            (
+                str(s["T"]),
+                s["mix"],
+                str(s["batches"]),
+                f"{s['docs_per_batch']:.1f}",
+                f"{s['max_seqlen_mean']:.0f}",
+                f"{s['real_token_fraction']:.3f}",
+                str(s["distinct_buckets"]),
+                str(s["distinct_exact_signatures"]),
+            )
+            for s in sorted(streams, key=lambda s: (s["T"], _order(s["mix"], _MIX_ORDER)))
+        ]
+        parts += ["", "## Streams", "", _markdown(header, rows)]
+    if doc.get("attention_summary"):
+        parts += [
+            "",
+            "## Attention: bucket ladders (time vs eager's true max_seqlen and count)",
+            "",
+            attention_table(doc["attention_summary"]),
+        ]
+        for T, rec in sorted((doc.get("attention_recommendation") or {}).items(), key=lambda kv: int(kv[0])):
+            parts.append("")
+            if rec is None:
+                parts.append(f"T={T}: no candidate ladder stays within the limit.")
+            else:
+                parts.append(
+                    f"T={T}: recommended max_seqlen ladder {rec['max_seqlen_ladder']}, capacity ladder "
+                    f"{rec['capacity_ladder']} ({rec['buckets']} buckets, worst {rec['worst_ratio']:.3f}x)."
+                )
+    suspects = [
+        r for r in sort_records(doc.get("records", [])) if (r.get("first_loss_vs_eager") or 0.0) > LOSS_TOLERANCE
+    ]
+    parts += ["", "## Sanity: first-step loss vs eager (same weights, same batch)", ""]
+    if suspects:
+        parts += [
+            f"- {_cell(r)} {r['method']}: loss {r['first_loss']:.5g}, {r['first_loss_vs_eager']:.2%} off eager"
+            for r in suspects
+        ]
+    else:
+        parts.append(f"Every method's first loss is within {LOSS_TOLERANCE:.0%} of eager's.")
+    parts += ["", "## Targets", "", format_targets(check_targets(doc)), ""]
+    return "\n".join(parts)
+
+
+def readme_table(results_json: str | Path | Mapping[str, Any]) -> str:
+    """The README's main table from a results document: one row per (model, T, mix), one column per method,
+    each cell ``step ms (speedup vs eager)``, plus packgraph's step/GPU-busy ratio."""
+    doc = load_results(results_json)
+    records = [r for r in doc.get("records", []) if r["status"] == "ok"]
+    methods = [m for m in _METHOD_ORDER if any(r["method"] == m for r in records)]
+    cells: dict[tuple, dict[str, Mapping[str, Any]]] = {}
+    for r in sort_records(records):
+        cells.setdefault(record_key(r)[:3], {})[r["method"]] = r
+    header = ["model", "T", "mix", *methods, "packgraph step/busy"]
+    rows = []
+    for (model, T, mix), by_method in cells.items():
+        row = [model, str(T), mix]
+        for m in methods:
+            r = by_method.get(m)
+            if r is None:
+                row.append("-")
+            elif m == "eager" or r.get("speedup_vs_eager") is None:
+                row.append(f"{r['step_ms']:.2f} ms")
+            else:
+                row.append(f"{r['step_ms']:.2f} ms ({r['speedup_vs_eager']:.2f}x)")
+        pg = by_method.get("packgraph")
+        row.append(_fmt(pg.get("step_over_busy") if pg else None, ".2f"))
+        rows.append(row)
+    caption = f"Step time per training step (fwd+bwd+AdamW), speedup vs eager in brackets. {_machine_line(doc)}."
+    return caption + "\n\n" + _markdown(header, rows)
+
+
+# ---------------------------------------------------------------------------------------------- targets
+def _ok(records: Iterable[Mapping[str, Any]], **match: Any) -> list[Mapping[str, Any]]:
+    return [r for r in records if r["status"] == "ok" and all(r[k] == v for k, v in match.items())]
+
+
+def _cell(r: Mapping[str, Any]) -> str:
+    return f"{r['model']} T={r['T']} {r['mix']}"
+
+
+def _verdict(name: str, checks: list[tuple[bool, str]]) -> dict[str, Any]:
+    if not checks:
+        return {"target": name, "met": None, "detail": "not measured"}
+    return {"target": name, "met": all(ok for ok, _ in checks), "detail": "; ".join(d for _, d in checks)}
+
+
+def check_targets(results_json: str | Path | Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Evaluate the benchmark issue's targets: ``[{target, met (True/False/None = not measured), detail}]``."""
+    doc = load_results(results_json)
+    recs = doc.get("records", [])
+    by_cell: dict[tuple, dict[str, Mapping[str, Any]]] = {}
+    for r in recs:
+        if r["status"] == "ok":
+            by_cell.setdefault(record_key(r)[:3], {})[r["method"]] = r
+    out = []
+
+    for method, limit in (("packgraph", 1.15), ("packgraph-model", 1.05)):
+        checks = []
+        for r in _ok(recs, model="small", method=method):
+            if r["T"] <= 4096 and r.get("step_over_busy"):
+                ratio = r["step_over_busy"]
+                checks.append(
+                    (ratio <= limit, f"{_cell(r)}: {r['step_ms']:.2f} / {r['gpu_busy_ms']:.2f} ms = {ratio:.2f}x")
+                )
+        out.append(_verdict(f"small, T<=4096: {method} step <= {limit}x GPU-busy", checks))
+
+    checks = []
+    for m in by_cell.values():
+        pg, eager = m.get("packgraph"), m.get("eager")
+        if pg and eager and pg.get("gpu_busy_ms") and eager.get("gpu_busy_ms"):
+            ratio = pg["gpu_busy_ms"] / eager["gpu_busy_ms"]
+            checks.append((ratio <= 1.05, f"{_cell(pg)}: busy {ratio:.3f}x eager"))
+    out.append(_verdict("GPU-busy under default buckets <= 1.05x eager's (true max_seqlen)", checks))
+
+    checks = []
+    for s in doc.get("attention_summary", []):
+        if s["ladder"] == "default":
+            for mix, worst in sorted(s["worst_ratio_by_mix"].items()):
+                checks.append((worst <= 1.10, f"T={s['T']} {mix}: worst {worst:.3f}x"))
+    out.append(_verdict("attention under default buckets <= 1.10x eager true-max time, every mix", checks))
+
+    checks_step, checks_first, checks_graphs = [], [], []
+    for m in by_cell.values():
+        ro = m.get("compile-ro")
+        graphed = [m[k] for k in _GRAPHED if k in m]
+        if ro and graphed:
+            best = min(graphed, key=lambda r: r["step_ms"])
+            checks_step.append(
+                (
+                    best["step_ms"] <= ro["step_ms"],
+                    f"{_cell(ro)}: {best['method']} {best['step_ms']:.2f} vs {ro['step_ms']:.2f} ms",
+                )
+            )
+        pg = m.get("packgraph")
+        if ro and pg and ro.get("first_step_s") and pg.get("first_step_s"):
+            ratio = ro["first_step_s"] / pg["first_step_s"]
+            checks_first.append(
+                (ratio >= 10, f"{_cell(pg)}: {pg['first_step_s']:.2f} vs {ro['first_step_s']:.2f} s ({ratio:.1f}x)")
+            )
+        if pg and pg.get("graphs") is not None:
+            raw = m.get("compile-ro-raw")
+            versus = f"; compile-ro-raw {raw['graphs']} / {raw['graph_batches']}" if raw and raw.get("graphs") else ""
+            checks_graphs.append(
+                (pg["graphs"] <= 8, f"{_cell(pg)}: {pg['graphs']} over {pg['graph_batches']} batches{versus}")
+            )
+    out.append(_verdict("steady step <= torch.compile reduce-overhead (best packgraph variant)", checks_step))
+    out.append(_verdict("first step >= 10x faster than compile reduce-overhead", checks_first))
+    out.append(_verdict("<= 8 graphs over the varied batches (200 in a full run)", checks_graphs))
+
+    checks = []
+    for m in by_cell.values():
+        pg, eager = m.get("packgraph"), m.get("eager")
+        if pg and eager and pg.get("peak_mem_mib") and eager.get("peak_mem_mib"):
+            ratio = pg["peak_mem_mib"] / eager["peak_mem_mib"]
+            checks.append((ratio <= 1.10, f"{_cell(pg)}: {pg['peak_mem_mib']:.0f} MiB = {ratio:.2f}x eager"))
+    out.append(_verdict("packgraph peak memory <= 1.10x eager", checks))
+
+    checks = []
+    for (_, _, mix), m in by_cell.items():
+        padded = m.get("padded")
+        graphed = [m[k] for k in _GRAPHED if k in m and m[k].get("tokens_per_s")]
+        if mix == "corpus" and padded and padded.get("tokens_per_s") and graphed:
+            best = max(graphed, key=lambda r: r["tokens_per_s"])
+            ratio = best["tokens_per_s"] / padded["tokens_per_s"]
+            checks.append((ratio >= 2.0, f"{_cell(padded)}: {best['method']} {ratio:.2f}x padded tokens/s"))
+    out.append(_verdict("packed+graphed tokens/s >= 2x padded eager on the corpus mix", checks))
+    return out
+
+
+def format_targets(targets: Iterable[Mapping[str, Any]]) -> str:
+    """One line per target: ``[met]``, ``[NOT met]`` or ``[not measured]``, then the figures."""
+    label = {True: "[met]", False: "[NOT met]", None: "[not measured]"}
+    return "\n".join(f"- {label[t['met']]} {t['target']}: {t['detail']}" for t in targets)
