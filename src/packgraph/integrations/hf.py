@@ -1,0 +1,623 @@
+"""Hugging Face transformers: packed (THD) batches, the ``"packgraph"`` attention, and graphed decoder layers.
+
+Three pieces, usable alone:
+
+* **Attention.** Importing this module registers an attention function named ``"packgraph"`` in transformers'
+  ``AttentionInterface``. A model loaded with ``attn_implementation="packgraph"`` (Llama, Qwen2/Qwen3, Mistral and
+  any model whose attention goes through that interface) runs packed batches through
+  :func:`packgraph.ops.varlen_attention`. Packing metadata comes from the kwargs the model forwards to its
+  attention: a ``packed_seq_params`` (packgraph's or Megatron's) or HF's flash kwargs ``cu_seq_lens_q``,
+  ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``. The max lengths must be Python ints (static): the function
+  never calls ``.item()``, so it runs inside a CUDA graph. Transformers (5.x) forwards the ``**kwargs`` of
+  ``model(...)`` through every decoder layer to the attention function, so metadata given to the model arrives here;
+  for a custom attention name it builds no mask, hence never runs its ``position_ids`` packing detection (which
+  reads device values).
+* **Batches.** :func:`from_flattening_batch` turns a ``transformers.DataCollatorWithFlattening`` output into a
+  fixed-shape :class:`~packgraph.packing.PackedBatch`; :func:`to_flattening_batch` goes back. Both are host work on
+  CPU tensors (the collator's output), before anything reaches the GPU.
+* **Graphs.** :func:`graph_decoder_layers` captures each decoder layer (or its attention or MLP) of an HF causal
+  LM with :func:`packgraph.capture_layers`; embeddings, rotary tables, final norm, head and loss stay eager.
+
+Label convention. HF's collator keeps labels *aligned with the inputs*: ``labels[i]`` is token ``i`` itself (or
+-100), the first token of every document is -100, and the model shifts by one inside its loss. packgraph's
+``PackedBatch.labels`` are *already shifted*: ``labels[i]`` is the target predicted at row ``i`` (the next token of
+the same document), -100 on each document's last row and on rows outside every document. The conversions below
+shift accordingly, so the same tokens are scored either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from itertools import pairwise
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+try:
+    from transformers import AttentionInterface
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError("packgraph.integrations.hf needs Hugging Face transformers: pip install 'packgraph[hf]'") from exc
+
+from packgraph.buckets import BucketPolicy
+from packgraph.ops import varlen_attention
+from packgraph.packing import IGNORE_INDEX, PackedBatch
+from packgraph.params import PackedSeqParams, PackedSeqParamsError
+
+__all__ = [
+    "ATTENTION_NAME",
+    "GraphedDecoderLayers",
+    "from_flattening_batch",
+    "graph_decoder_layers",
+    "packed_forward",
+    "packed_loss",
+    "packed_params_from_kwargs",
+    "packgraph_attention",
+    "register_packgraph_attention",
+    "to_flattening_batch",
+]
+
+ATTENTION_NAME = "packgraph"
+"""The ``attn_implementation`` name this module registers."""
+
+_HF_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_SCOPES = ("layer", "attention", "mlp")
+# Kwargs a decoder layer receives that do not change its output on a packed batch without a cache: they are
+# dropped at a graphed layer's boundary (position_ids only feeds rotary tables the model already computed).
+_IGNORED_LAYER_KWARGS = frozenset(
+    {"position_ids", "cache_position", "use_cache", "shift_labels", "labels", "num_items_in_batch", "seq_idx"}
+    | {"output_attentions", "output_hidden_states", "output_router_logits", *_HF_PACKING_KWARGS}
+)
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+def register_packgraph_attention() -> str:
+    """Register :func:`packgraph_attention` as ``"packgraph"`` in ``AttentionInterface``; idempotent.
+
+    Called on import of this module. Returns the name to pass as ``attn_implementation``.
+    """
+    if AttentionInterface._global_mapping.get(ATTENTION_NAME) is not packgraph_attention:
+        AttentionInterface.register(ATTENTION_NAME, packgraph_attention)
+    return ATTENTION_NAME
+
+
+def packgraph_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Transformers attention function over a packed batch: ``varlen_attention`` on the THD view.
+
+    Args:
+        query: ``[1, Hq, T, D]``; key, value: ``[1, Hkv, T, D]`` (GQA is native: kv heads are not repeated).
+        attention_mask: must be ``None`` (transformers builds none for this implementation); documents are
+            separated by the packing metadata, never by a mask.
+        scaling: softmax scale (``None``: ``D ** -0.5``).
+        dropout: must be 0 (the varlen kernel runs without attention dropout).
+        kwargs: packing metadata, one of ``packed_seq_params`` or ``cu_seq_lens_q``/``cu_seq_lens_k`` with
+            static int ``max_length_q``/``max_length_k``; ``is_causal`` (default: the module's, else True);
+            ``sliding_window`` is accepted only when no document can exceed it.
+
+    Returns:
+        ``(attn_output [1, T, Hq, D], None)``: transformers' layout; no attention weights.
+
+    Raises:
+        ValueError / PackedSeqParamsError: batch size above 1, a mask, missing metadata, or tensor max lengths.
+        NotImplementedError: dropout, softcapping, attention sinks, a sliding window shorter than a document.
+    """
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"attn_implementation='packgraph' runs packed batches of batch size 1 ([1, T] inputs), got batch size "
+            f"{query.shape[0]}: flatten the batch (DataCollatorWithFlattening, from_flattening_batch)"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            "attn_implementation='packgraph' takes no attention mask: documents are separated by cu_seqlens. "
+            "Drop attention_mask from the model call."
+        )
+    if dropout:
+        raise NotImplementedError(f"attn_implementation='packgraph' has no attention dropout (got p={dropout})")
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"attn_implementation='packgraph' does not support {name!r}")
+    params = packed_params_from_kwargs(kwargs)
+    window = kwargs.get("sliding_window")
+    if window is not None and max(params.max_seqlen_q, params.max_seqlen_kv) > window:
+        # A window only matters for a document longer than it; max_seqlen bounds every document, statically.
+        raise NotImplementedError(
+            f"sliding_window={window} is shorter than max_seqlen={params.max_seqlen_kv}: packgraph attention has "
+            f"no sliding window; keep documents (and the bucket's max_seqlen) within the window"
+        )
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    # [1, H, T, D] -> [T, H, D] is a view; RoPE leaves q/k with token-major strides, so no copy happens here.
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    out = varlen_attention(q, k, v, params, causal=bool(is_causal), softmax_scale=scaling)
+    return out.unsqueeze(0), None
+
+
+def packed_params_from_kwargs(kwargs: Mapping[str, Any]) -> PackedSeqParams:
+    """The attention view of the packing metadata in a model call's kwargs (no host sync).
+
+    ``packed_seq_params`` (packgraph's, or any object with Megatron's field names) wins over HF's flash kwargs.
+
+    Raises:
+        PackedSeqParamsError: no metadata, or a max length given as a tensor.
+    """
+    params = kwargs.get("packed_seq_params")
+    if params is not None:
+        if not isinstance(params, PackedSeqParams):
+            from packgraph.integrations.megatron import from_megatron
+
+            params = from_megatron(params, validate=False)
+        return params.attention_view()
+    if kwargs.get("cu_seq_lens_q") is None:
+        raise PackedSeqParamsError(
+            "cu_seqlens_q",
+            "no packing metadata reached the attention",
+            "pass packed_seq_params=... or cu_seq_lens_q/cu_seq_lens_k with int max_length_q/max_length_k to the "
+            "model (packed_forward does); position_ids alone would need a host sync to find the boundaries",
+        )
+    for name in ("max_length_q", "max_length_k"):
+        if isinstance(kwargs.get(name), Tensor):
+            raise PackedSeqParamsError(
+                name,
+                "must be a Python int (static)",
+                "a tensor needs .item() (a host sync, which breaks CUDA graphs); build batches with "
+                "from_flattening_batch(..., buckets=...) so max lengths are static bucket values",
+            )
+    params = PackedSeqParams.from_hf_kwargs(kwargs)
+    changes = {}
+    for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+        t = getattr(params, name)
+        if t.dtype != torch.int32:  # a device-side cast: graph-safe, and FA2 wants int32 offsets
+            changes[name] = t.to(torch.int32)
+    return params.replace(**changes) if changes else params
+
+
+register_packgraph_attention()
+
+
+# ---------------------------------------------------------------------------------------------------- batches
+def from_flattening_batch(
+    batch: Mapping[str, Any],
+    *,
+    buckets: BucketPolicy | None = None,
+    total_tokens: int | None = None,
+    capacity: int | None = None,
+    max_seqlen: int | None = None,
+    pad_token_id: int = 0,
+) -> PackedBatch:
+    """A ``DataCollatorWithFlattening`` output as a fixed-shape ``PackedBatch`` (host work, CPU tensors).
+
+    Args:
+        batch: ``input_ids [1, N]`` and optionally ``labels [1, N]`` (HF convention: aligned with the inputs,
+            -100 at each document start), ``position_ids [1, N]``, ``cu_seq_lens_q``, ``seq_idx``. Document
+            boundaries come from ``cu_seq_lens_q``, else ``seq_idx``, else ``position_ids`` (a document starts
+            wherever the position does not continue the previous one, as transformers detects packing), else the
+            whole stream is one document.
+        buckets: a ``BucketPolicy``: the params take its smallest bucket that fits (static ``max_seqlen`` and
+            capacity), so batches share few graph signatures.
+        total_tokens: the stream size ``T`` to pad to (static; default ``N``). Rows ``N..T-1`` belong to no
+            document: token ``pad_token_id``, position 0, label -100.
+        capacity, max_seqlen: static values when no ``buckets`` are given (default: the document count and the
+            longest document).
+
+    Returns:
+        ``PackedBatch`` with ``tokens``, ``labels`` (shifted next-token targets, see the module docstring),
+        ``loss_mask`` (``labels != -100``), ``position_ids``, all ``[T]``, and ``packed_seq_params`` on the CPU
+        with host offsets (validation needs no sync). Move it with ``.to(device)``.
+
+    Raises:
+        ValueError: tensors not on the CPU, inconsistent lengths, ``N > total_tokens``.
+    """
+    input_ids = _host_row(batch["input_ids"], "input_ids")
+    n = input_ids.numel()
+    lengths = _document_lengths(batch, n)
+    t = n if total_tokens is None else int(total_tokens)
+    if t < n:
+        raise ValueError(f"the batch has {n} tokens, more than total_tokens={t}: raise total_tokens or split it")
+    starts = _starts(lengths)
+    tokens = torch.full((t,), pad_token_id, dtype=torch.int64)
+    tokens[:n] = input_ids
+    if batch.get("labels") is not None:
+        hf_labels = _host_row(batch["labels"], "labels", n)
+    else:
+        hf_labels = input_ids.clone()
+    labels = torch.full((t,), IGNORE_INDEX, dtype=torch.int64)
+    # HF scores token i+1 from row i (its loss shifts); packgraph stores that target at row i.
+    labels[: max(n - 1, 0)] = hf_labels[1:n]
+    # A document's last row has no next token inside it, whatever the collator's separator_id was.
+    ends = [s + ln - 1 for s, ln in zip(starts, lengths, strict=True) if ln > 0]
+    labels[ends] = IGNORE_INDEX
+    position_ids = torch.zeros(t, dtype=torch.int64)
+    if batch.get("position_ids") is not None:
+        position_ids[:n] = _host_row(batch["position_ids"], "position_ids", n)
+    else:
+        position_ids[:n] = torch.cat([torch.arange(ln, dtype=torch.int64) for ln in lengths])
+    if buckets is not None:
+        params = PackedSeqParams.from_seqlens(lengths, total_tokens=t)
+        params = buckets.apply(params)
+    else:
+        params = PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=t, max_seqlen=max_seqlen)
+    loss_mask = (labels != IGNORE_INDEX).to(torch.float32)
+    # PackedBatch reads its target count from doc_lengths, assuming every next token is a target: only true when
+    # the collator's labels masked nothing inside documents (e.g. no prompt masking).
+    unmasked = int(loss_mask.sum()) == sum(max(ln - 1, 0) for ln in lengths)
+    return PackedBatch(
+        tokens=tokens,
+        labels=labels,
+        loss_mask=loss_mask,
+        position_ids=position_ids,
+        packed_seq_params=params,
+        doc_lengths=tuple(lengths) if unmasked else None,
+    )
+
+
+def to_flattening_batch(
+    packed_batch: PackedBatch,
+    *,
+    return_flash_attn_kwargs: bool = True,
+    return_seq_idx: bool = False,
+) -> dict[str, Any]:
+    """A ``PackedBatch`` as ``DataCollatorWithFlattening`` would have produced it (the reverse conversion).
+
+    Keeps only document rows (tail and padding rows are dropped), in document order. Offsets are read from the
+    params' host offsets when known; otherwise they are copied to the host (one sync for device params).
+
+    Returns:
+        ``input_ids``, ``labels`` (HF convention: aligned with inputs, -100 at each document start),
+        ``position_ids`` (restarting at 0), all int64 ``[1, N]``; with ``return_flash_attn_kwargs`` also int32
+        ``cu_seq_lens_q``/``cu_seq_lens_k`` (real documents only) and int ``max_length_q``/``max_length_k`` (the
+        true longest document); with ``return_seq_idx`` an int32 ``seq_idx [1, N]``. Tensors stay on the batch's
+        device.
+    """
+    params = packed_batch.packed_seq_params
+    real = _host_offsets(params, "cu_seqlens_q")
+    layout = _host_offsets(params, "cu_seqlens_q_padded") if params.cu_seqlens_q_padded is not None else real
+    lengths = [b - a for a, b in pairwise(real)]
+    docs = [(s, ln) for s, ln in zip(layout, lengths, strict=False) if ln > 0]  # ghost slots hold no document
+    device = packed_batch.tokens.device
+    rows = _cat([torch.arange(s, s + ln, dtype=torch.int64) for s, ln in docs]).to(device)
+    input_ids = packed_batch.tokens[rows].to(torch.int64)
+    shifted = packed_batch.labels[rows].to(torch.int64)
+    labels = torch.full_like(shifted, IGNORE_INDEX)
+    labels[1:] = shifted[:-1]
+    doc_starts = _starts([ln for _, ln in docs])
+    labels[doc_starts] = IGNORE_INDEX
+    position_ids = _cat([torch.arange(ln, dtype=torch.int64) for _, ln in docs])
+    out: dict[str, Any] = {
+        "input_ids": input_ids.view(1, -1),
+        "labels": labels.view(1, -1),
+        "position_ids": position_ids.to(device).view(1, -1),
+    }
+    if return_flash_attn_kwargs:
+        cu = torch.tensor([0, *_cumsum([ln for _, ln in docs])], dtype=torch.int32, device=device)
+        longest = max((ln for _, ln in docs), default=0)
+        out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    if return_seq_idx:
+        seq_idx = _cat([torch.full((ln,), i, dtype=torch.int32) for i, (_, ln) in enumerate(docs)], torch.int32)
+        out["seq_idx"] = seq_idx.to(device).view(1, -1)
+    return out
+
+
+def packed_forward(
+    model: nn.Module, packed_batch: PackedBatch, *, compute_loss: bool = False, **model_kwargs: Any
+) -> Any:
+    """Run an HF causal LM on a ``PackedBatch`` (one ``[1, T]`` stream): no host sync, graph-friendly.
+
+    The model gets ``input_ids`` and ``position_ids`` as ``[1, T]``, ``packed_seq_params`` and, when the layout is
+    representable (no padded twins), HF's flash kwargs with the params' static max lengths, so the same call
+    serves ``attn_implementation="packgraph"`` and ``"flash_attention_2"``.
+
+    With ``compute_loss``, ``output.loss`` is the mean cross-entropy of ``packed_batch.labels`` (already
+    shifted targets) weighted by ``loss_mask``, computed in float32 here rather than by HF's loss (which would
+    shift the labels a second time).
+    """
+    params = packed_batch.packed_seq_params
+    kwargs: dict[str, Any] = {"packed_seq_params": params, "use_cache": False}
+    if params.cu_seqlens_q_padded is None and params.cu_seqlens_kv_padded is None:
+        kwargs.update(params.to_hf_kwargs())
+    kwargs.update(model_kwargs)
+    out = model(input_ids=packed_batch.tokens.view(1, -1), position_ids=packed_batch.position_ids.view(1, -1), **kwargs)
+    if compute_loss:
+        out.loss = packed_loss(out.logits, packed_batch)
+    return out
+
+
+def packed_loss(logits: Tensor, packed_batch: PackedBatch) -> Tensor:
+    """Mean next-token cross-entropy over the rows ``loss_mask`` selects (float32; no host sync)."""
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    labels = packed_batch.labels.reshape(-1)
+    mask = packed_batch.loss_mask.reshape(-1).to(logits.dtype)
+    per_row = nn.functional.cross_entropy(logits, labels.clamp_min(0), reduction="none")
+    return (per_row * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+# ---------------------------------------------------------------------------------------------------- graphs
+class _LayerCall(nn.Module):
+    """Flat-tensor adapter a graph captures: ``(hidden_states, [cos, sin, packed_seq_params]) -> hidden_states``.
+
+    It owns the target (layer, attention or MLP) as a child so that ``parameters()`` reaches its weights, and
+    calls the target's *original* forward, since the target's ``forward`` is replaced by the graphed one.
+    """
+
+    def __init__(self, target: nn.Module, scope: str) -> None:
+        super().__init__()
+        self.target = target
+        self.scope = scope
+        self.original_forward = target.forward
+        self.returns_tuple: bool | None = None
+
+    def forward(self, hidden_states: Tensor, *rest: Any, **static: Any) -> Tensor:
+        if self.scope == "mlp":
+            out = self.original_forward(hidden_states)
+        else:
+            cos, sin, params = rest
+            call = {"attention_mask": None, "position_embeddings": (cos, sin), "packed_seq_params": params}
+            if self.scope == "layer":
+                call["use_cache"] = False
+            out = self.original_forward(hidden_states, **call, **static)
+        self.returns_tuple = isinstance(out, tuple)
+        return out[0] if self.returns_tuple else out
+
+
+@dataclasses.dataclass
+class GraphedDecoderLayers:
+    """Handle returned by :func:`graph_decoder_layers`: the graphed callables, and ``remove()`` to undo.
+
+    Also a context manager: leaving the ``with`` block restores the original forwards.
+    """
+
+    targets: list[nn.Module]
+    adapters: list[_LayerCall]
+    graphed: list[Callable[..., Tensor]]
+    scope: str
+
+    def remove(self) -> None:
+        """Restore every target's original forward (the graphs and their memory are released with them)."""
+        for target in self.targets:
+            if "forward" in target.__dict__:
+                del target.forward
+        self.graphed = []
+
+    def __enter__(self) -> GraphedDecoderLayers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def graph_decoder_layers(
+    model: nn.Module,
+    sample_batch: PackedBatch,
+    *,
+    scope: str = "layer",
+    buckets: BucketPolicy | None = None,
+    forward_only: bool = False,
+    **capture_opts: Any,
+) -> GraphedDecoderLayers:
+    """Capture each decoder layer of an HF causal LM with ``packgraph.capture_layers``.
+
+    The model must be loaded with ``attn_implementation="packgraph"`` and live on a CUDA device. Each target's
+    ``forward`` is replaced in place (parameter names, ``state_dict`` and optimizers are untouched) by a call to its
+    graph; embeddings, the rotary tables, the final norm, the head and the loss keep running eagerly. Graph inputs
+    per call: the hidden states, the layer's rotary ``(cos, sin)`` and the packed params (their tensors are
+    dynamic, ``max_seqlen``/capacity static, see ``PackedSeqParams.static_signature``).
+
+    Args:
+        model: e.g. ``LlamaForCausalLM``; its decoder is ``model.model`` (or ``model`` itself) with ``.layers``
+            and ``.rotary_emb``.
+        sample_batch: a fixed-shape ``PackedBatch`` (same ``T`` as the batches to come) used for capture.
+        scope: ``"layer"`` (whole decoder layers), ``"attention"`` (``layer.self_attn`` only) or ``"mlp"``
+            (``layer.mlp`` only; its only input is the hidden states).
+        buckets: a ``BucketPolicy`` for the capture cache (static metadata per bucket).
+        forward_only: no-grad graphs for scoring and eval (call the model under ``torch.no_grad()``).
+        capture_opts: passed to ``capture_layers`` (``num_warmup_iters``, ``on_mismatch``, ``max_graphs``, ...).
+
+    Calls must come through :func:`packed_forward` (or pass ``packed_seq_params``/the flash kwargs yourself), with
+    no attention mask and no KV cache.
+
+    Raises:
+        RuntimeError: no CUDA (graphs need it; run :func:`packed_forward` eagerly on the CPU), or gradient
+            checkpointing is on. ValueError: wrong ``attn_implementation`` or ``scope``.
+    """
+    from packgraph.graphs import capture_layers
+    from packgraph.graphs.capture import capture_layers_with
+
+    # A stand-in recorder (the engine's capture_layers_with hook) lets CPU tests drive the real engine without CUDA.
+    recorder = capture_opts.pop("_recorder", None)
+    device = next(model.parameters()).device
+    if recorder is None and (device.type != "cuda" or not torch.cuda.is_available()):
+        raise RuntimeError(
+            f"graph_decoder_layers captures CUDA graphs and needs the model on a CUDA device (it is on {device}); "
+            "on the CPU run the model eagerly with packed_forward"
+        )
+    capture = capture_layers if recorder is None else functools.partial(capture_layers_with, recorder)
+
+    def make_graphed(adapters: list[_LayerCall], sample_args: tuple) -> list[Callable[..., Tensor]]:
+        # Whole layers feed each other directly (chained: no copies between graphs); with a partial scope an eager
+        # half sits between two graphs, so each graph copies its input.
+        opts = dict(capture_opts, forward_only=forward_only, chain=scope == "layer")
+        if buckets is not None:
+            opts["buckets"] = buckets
+        return capture(adapters, sample_args, **opts)
+
+    return _install(model, sample_batch, scope=scope, forward_only=forward_only, make_graphed=make_graphed)
+
+
+def _install(
+    model: nn.Module,
+    sample_batch: Any,
+    *,
+    scope: str,
+    forward_only: bool,
+    make_graphed: Callable[[list[_LayerCall], tuple], Sequence[Callable[..., Tensor]]],
+) -> GraphedDecoderLayers:
+    """Build adapters and sample inputs, let ``make_graphed`` capture them, and patch the targets' forwards."""
+    if scope not in _SCOPES:
+        raise ValueError(f"scope must be one of {_SCOPES}, got {scope!r}")
+    attn_impl = getattr(model.config, "_attn_implementation", None)
+    if attn_impl != ATTENTION_NAME:
+        raise ValueError(
+            f"the model runs attn_implementation={attn_impl!r}; load it with attn_implementation='packgraph' "
+            "(or call model.set_attn_implementation('packgraph'))"
+        )
+    decoder = _decoder(model)
+    layers = list(decoder.layers)
+    if any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
+        raise RuntimeError("gradient checkpointing recomputes layers outside the graph: disable it to graph layers")
+    targets = [
+        {"layer": layer, "attention": _child(layer, "self_attn"), "mlp": _child(layer, "mlp")}[scope]
+        for layer in layers
+    ]
+    for target in targets:
+        if "forward" in target.__dict__:
+            raise RuntimeError(f"{type(target).__name__}.forward is already patched (graphed twice? call remove())")
+    adapters = [_LayerCall(target, scope) for target in targets]
+    for adapter in adapters:  # capture under the mode the model is in now (the flag is part of the signature)
+        adapter.training = adapter.target.training
+    sample_args = _sample_args(decoder, sample_batch, scope=scope, requires_grad=not forward_only)
+    graphed = list(make_graphed(adapters, sample_args))
+    if len(graphed) != len(targets):
+        raise RuntimeError(f"capture returned {len(graphed)} callables for {len(targets)} layers")
+    for target, adapter, fn in zip(targets, adapters, graphed, strict=True):
+        target.forward = _graphed_forward(adapter, fn)
+    return GraphedDecoderLayers(targets=targets, adapters=adapters, graphed=graphed, scope=scope)
+
+
+def _graphed_forward(adapter: _LayerCall, graphed: Callable[..., Tensor]) -> Callable[..., Any]:
+    """The replacement ``forward``: split the HF call into graph inputs, replay, restore HF's output structure."""
+    scope = adapter.scope
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            hidden_states, args = args[0], args[1:]
+        else:
+            hidden_states = kwargs.pop("hidden_states")
+        if scope == "mlp":
+            if args or kwargs:
+                raise TypeError(f"a graphed MLP takes only the hidden states, got extra arguments {sorted(kwargs)}")
+            adapter.training = adapter.target.training
+            return graphed(hidden_states)
+        if args:
+            raise TypeError("a graphed decoder layer takes the hidden states positionally and the rest by keyword")
+        if kwargs.pop("attention_mask", None) is not None:
+            raise ValueError(
+                "a graphed layer takes no attention mask (load the model with attn_implementation='packgraph')"
+            )
+        for name in _CACHE_KWARGS:
+            if kwargs.pop(name, None) is not None:
+                raise ValueError("a graphed layer cannot update a KV cache: call the model with use_cache=False")
+        position_embeddings = kwargs.pop("position_embeddings", None)
+        if position_embeddings is None:
+            raise ValueError("the decoder must pass rotary position_embeddings=(cos, sin) to its layers")
+        params = packed_params_from_kwargs(kwargs)
+        static = {}
+        for name, value in kwargs.items():
+            if name in _IGNORED_LAYER_KWARGS or name == "packed_seq_params":
+                continue
+            if isinstance(value, Tensor):
+                raise ValueError(f"tensor kwarg {name!r} cannot cross a graphed layer's boundary")
+            static[name] = value  # non-tensor kwargs are static: part of the graph signature
+        cos, sin = position_embeddings
+        # The adapter is outside the model tree, so model.train()/eval() never reaches it; the graph signature
+        # reads its flag, which must follow the target's.
+        adapter.training = adapter.target.training
+        out = graphed(hidden_states, cos, sin, params, **static)
+        if scope == "attention":
+            return out, None
+        return (out,) if adapter.returns_tuple else out
+
+    return forward
+
+
+def _sample_args(decoder: nn.Module, sample_batch: Any, *, scope: str, requires_grad: bool) -> tuple:
+    """Capture inputs shaped like a real call: hidden states from the embedding, rotary tables, the params."""
+    device = next(decoder.parameters()).device
+    batch = sample_batch.to(device)
+    with torch.no_grad():
+        hidden = decoder.embed_tokens(batch.tokens.view(1, -1))
+        if not hasattr(decoder, "rotary_emb"):
+            raise ValueError(f"{type(decoder).__name__} has no rotary_emb: only RoPE decoders are supported")
+        cos, sin = decoder.rotary_emb(hidden, position_ids=batch.position_ids.view(1, -1))
+    hidden = hidden.detach().requires_grad_(requires_grad)
+    if scope == "mlp":
+        return (hidden,)
+    return (hidden, cos, sin, batch.packed_seq_params.attention_view())
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    for candidate in (getattr(model, "model", None), model):
+        if candidate is not None and isinstance(getattr(candidate, "layers", None), nn.ModuleList):
+            return candidate
+    raise ValueError(f"{type(model).__name__}: no decoder with a .layers ModuleList (expected model.model.layers)")
+
+
+def _child(layer: nn.Module, name: str) -> nn.Module:
+    child = getattr(layer, name, None)
+    if not isinstance(child, nn.Module):
+        raise ValueError(f"{type(layer).__name__} has no {name!r} submodule to graph")
+    return child
+
+
+# ---------------------------------------------------------------------------------------------------- host helpers
+def _host_row(x: Any, name: str, n: int | None = None) -> Tensor:
+    t = torch.as_tensor(x)
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}: convert the collator output before moving it to the device")
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1 or (n is not None and t.numel() != n):
+        want = "[1, N] or [N]" if n is None else f"[1, {n}] like input_ids"
+        raise ValueError(f"{name} must be {want} (one flattened stream), got shape {tuple(t.shape)}")
+    return t.to(torch.int64)
+
+
+def _document_lengths(batch: Mapping[str, Any], n: int) -> list[int]:
+    if batch.get("cu_seq_lens_q") is not None:
+        offsets = _host_row(batch["cu_seq_lens_q"], "cu_seq_lens_q").tolist()
+        if offsets[0] != 0 or offsets[-1] != n or any(b < a for a, b in pairwise(offsets)):
+            raise ValueError(f"cu_seq_lens_q must rise from 0 to the {n} tokens of input_ids, got {offsets}")
+        return [b - a for a, b in pairwise(offsets)]
+    if n == 0:
+        return []
+    if batch.get("seq_idx") is not None:
+        starts = _host_row(batch["seq_idx"], "seq_idx", n).diff() != 0
+    elif batch.get("position_ids") is not None:
+        starts = _host_row(batch["position_ids"], "position_ids", n).diff() != 1
+    else:
+        return [n]
+    bounds = [0, *(torch.nonzero(starts).view(-1) + 1).tolist(), n]
+    return [b - a for a, b in pairwise(bounds)]
+
+
+def _host_offsets(params: PackedSeqParams, name: str) -> list[int]:
+    if params.host_offsets is not None and name in params.host_offsets:
+        return list(params.host_offsets[name])
+    return getattr(params, name).tolist()
+
+
+def _cat(parts: list[Tensor], dtype: torch.dtype = torch.int64) -> Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+
+def _cumsum(values: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def _starts(lengths: Sequence[int]) -> list[int]:
+    return [0, *_cumsum(lengths)][:-1] if lengths else []

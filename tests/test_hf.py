@@ -1,0 +1,373 @@
+"""Hugging Face integration on the CPU: the "packgraph" attention, batch conversion, the graphed-layer plumbing.
+
+References are independent of the code under test: each document run alone through the same weights with
+transformers' own "eager" attention, HF's own loss on the collator output, and label/position layouts written
+out by hand.
+"""
+
+import copy
+from itertools import pairwise
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from packgraph.buckets import BucketPolicy  # noqa: E402
+from packgraph.integrations import hf  # noqa: E402
+from packgraph.params import PackedSeqParamsError  # noqa: E402
+
+VOCAB = 97
+DOC_LENGTHS = (5, 17, 1, 9, 12)
+TOTAL_TOKENS = 56  # > sum(DOC_LENGTHS) = 44: the stream has dead tail rows
+
+
+def _configs():
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA: kv heads are not repeated by the packgraph attention
+        max_position_embeddings=128,
+    )
+    return {
+        "llama": transformers.LlamaConfig(**common),
+        "qwen3": transformers.Qwen3Config(**common, head_dim=8),
+        "qwen2": transformers.Qwen2Config(**common),
+        "mistral": transformers.MistralConfig(**common, sliding_window=None),
+    }
+
+
+def _model(config, attn_implementation, state_dict=None):
+    # from_config writes the implementation into the config it is given: each model needs its own copy.
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=attn_implementation
+    )
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model.eval()
+
+
+def _docs(lengths=DOC_LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def _collate(docs, **collator_kwargs):
+    collator = transformers.DataCollatorWithFlattening(**collator_kwargs)
+    return collator([{"input_ids": d.tolist()} for d in docs])
+
+
+def _per_doc_reference(model, docs):
+    with torch.no_grad():
+        return [model(input_ids=d.view(1, -1), use_cache=False).logits[0] for d in docs]
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    config = _configs()["llama"]
+    packed = _model(config, "packgraph")
+    eager = _model(config, "eager", packed.state_dict())
+    return packed, eager
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen2", "mistral"])
+def test_packed_logits_equal_each_document_alone(name):
+    config = _configs()[name]
+    packed_model = _model(config, "packgraph")
+    eager_model = _model(config, "eager", packed_model.state_dict())
+    assert packed_model.config._attn_implementation == "packgraph"
+    assert eager_model.config._attn_implementation == "eager"
+    docs = _docs()
+    batch = hf.from_flattening_batch(_collate(docs), total_tokens=TOTAL_TOKENS)
+    with torch.no_grad():
+        logits = hf.packed_forward(packed_model, batch).logits[0]
+    assert logits.shape == (TOTAL_TOKENS, VOCAB)
+    start = 0
+    for doc, ref in zip(docs, _per_doc_reference(eager_model, docs), strict=True):
+        torch.testing.assert_close(logits[start : start + len(doc)], ref, atol=1e-5, rtol=1e-5)
+        start += len(doc)
+
+
+def test_no_cross_document_leakage(llama_pair):
+    model, _ = llama_pair
+    docs = _docs()
+    perturbed = [d.clone() for d in docs]
+    perturbed[1] = (perturbed[1] + 1 + torch.arange(len(perturbed[1]))) % VOCAB  # every token of doc 1 changes
+    with torch.no_grad():
+        base = hf.packed_forward(model, hf.from_flattening_batch(_collate(docs), total_tokens=TOTAL_TOKENS)).logits[0]
+        moved = hf.packed_forward(model, hf.from_flattening_batch(_collate(perturbed), total_tokens=TOTAL_TOKENS))
+    moved = moved.logits[0]
+    starts = [0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()]
+    for i, (a, b) in enumerate(pairwise(starts)):
+        if i == 1:
+            assert (base[a:b] - moved[a:b]).abs().max() > 1e-3  # the perturbation is visible where it belongs
+        else:
+            torch.testing.assert_close(moved[a:b], base[a:b], atol=1e-6, rtol=0)
+
+
+def test_hf_flash_kwargs_path_and_loss_convention(llama_pair):
+    """The collator output fed straight to the model (HF shifts labels in its loss) scores the same tokens as
+    the PackedBatch's pre-shifted labels."""
+    model, _ = llama_pair
+    collated = _collate(_docs(), return_flash_attn_kwargs=True)
+    batch = hf.from_flattening_batch(collated, total_tokens=TOTAL_TOKENS)
+    with torch.no_grad():
+        hf_out = model(**collated, use_cache=False)
+        ours = hf.packed_forward(model, batch, compute_loss=True)
+    n = collated["input_ids"].shape[1]
+    torch.testing.assert_close(ours.logits[0, :n], hf_out.logits[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours.loss, hf_out.loss, atol=1e-6, rtol=1e-6)
+
+
+def test_attention_errors(llama_pair):
+    model, _ = llama_pair
+    collated = _collate(_docs(), return_flash_attn_kwargs=True)
+    ids, pos = collated["input_ids"], collated["position_ids"]
+    cu = collated["cu_seq_lens_q"]
+    with pytest.raises(PackedSeqParamsError, match="from_flattening_batch"):
+        model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=torch.tensor(17),
+              max_length_k=torch.tensor(17), use_cache=False)  # fmt: skip
+    with pytest.raises(PackedSeqParamsError, match="no packing metadata"):
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+    with pytest.raises(ValueError, match="batch size 1"):
+        model(input_ids=ids.expand(2, -1), cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=17, max_length_k=17,
+              use_cache=False)  # fmt: skip
+    window = _model(transformers.MistralConfig(**{**_configs()["mistral"].to_dict(), "sliding_window": 4}), "packgraph")
+    with pytest.raises(NotImplementedError, match="sliding_window=4"):
+        hf.packed_forward(window, hf.from_flattening_batch(collated))
+
+
+def test_register_is_idempotent():
+    from transformers import AttentionInterface
+
+    assert hf.register_packgraph_attention() == "packgraph"
+    assert hf.register_packgraph_attention() == "packgraph"
+    assert AttentionInterface._global_mapping["packgraph"] is hf.packgraph_attention
+
+
+# ---------------------------------------------------------------------------------------------------- batches
+def _hand_layout(docs, total):
+    """Shifted labels and restarting positions written out row by row."""
+    labels, positions = [], []
+    for d in docs:
+        for j in range(len(d)):
+            labels.append(int(d[j + 1]) if j + 1 < len(d) else -100)
+            positions.append(j)
+    pad = total - len(labels)
+    return torch.tensor(labels + [-100] * pad), torch.tensor(positions + [0] * pad)
+
+
+@pytest.mark.parametrize(
+    "collator_kwargs",
+    [{}, {"return_flash_attn_kwargs": True}, {"return_seq_idx": True}, {"return_flash_attn_kwargs": True,
+     "return_seq_idx": True}],
+)  # fmt: skip
+def test_from_flattening_batch_layout(collator_kwargs):
+    docs = _docs()
+    batch = hf.from_flattening_batch(_collate(docs, **collator_kwargs), total_tokens=TOTAL_TOKENS, pad_token_id=3)
+    labels, positions = _hand_layout(docs, TOTAL_TOKENS)
+    n = sum(DOC_LENGTHS)
+    assert torch.equal(batch.tokens[:n], torch.cat(docs)) and (batch.tokens[n:] == 3).all()
+    assert torch.equal(batch.labels, labels)
+    assert torch.equal(batch.loss_mask, (labels != -100).float())
+    assert torch.equal(batch.position_ids, positions)
+    params = batch.packed_seq_params
+    assert params.cu_seqlens_q.tolist() == [0, 5, 22, 23, 32, 44]
+    assert params.cu_seqlens_q.dtype == torch.int32
+    assert (params.max_seqlen_q, params.total_tokens, params.capacity) == (17, TOTAL_TOKENS, 5)
+    assert batch.doc_lengths == DOC_LENGTHS and batch.num_real_tokens == int(batch.loss_mask.sum())
+
+
+def test_from_flattening_batch_buckets_and_masked_labels():
+    docs = _docs()
+    features = []
+    for d in docs:  # prompt masking: the first half of each document carries no loss
+        lab = d.clone()
+        lab[: len(d) // 2] = -100
+        features.append({"input_ids": d.tolist(), "labels": lab.tolist()})
+    collated = transformers.DataCollatorWithFlattening()(features)
+    policy = BucketPolicy((8, 32, 64), (4, 8, 16))
+    batch = hf.from_flattening_batch(collated, buckets=policy, total_tokens=64)
+    params = batch.packed_seq_params
+    assert (params.max_seqlen_q, params.max_seqlen_kv, params.capacity) == (32, 32, 8)
+    assert params.cu_seqlens_q.tolist() == [0, 5, 22, 23, 32, 44, 44, 44, 44]
+    expected = torch.full((64,), -100)
+    start = 0
+    for d in docs:
+        for j in range(len(d) - 1):
+            if j + 1 >= len(d) // 2:  # the target token j + 1 is in the unmasked half
+                expected[start + j] = d[j + 1]
+        start += len(d)
+    assert torch.equal(batch.labels, expected)
+    assert batch.doc_lengths is None  # masked labels: the target count is not sum(len - 1)
+    assert batch.num_real_tokens == int((expected != -100).sum())
+    back = hf.to_flattening_batch(batch, return_flash_attn_kwargs=False)
+    assert torch.equal(back["labels"], collated["labels"])
+
+
+@pytest.mark.parametrize("return_seq_idx", [False, True])
+def test_flattening_round_trip(return_seq_idx):
+    collated = _collate(_docs(), return_flash_attn_kwargs=True, return_seq_idx=return_seq_idx)
+    batch = hf.from_flattening_batch(collated, total_tokens=TOTAL_TOKENS)
+    back = hf.to_flattening_batch(batch, return_seq_idx=return_seq_idx)
+    assert set(back) == set(collated)
+    for key, value in collated.items():
+        if isinstance(value, torch.Tensor):
+            assert back[key].dtype == value.dtype, key
+            assert torch.equal(back[key], value), key
+        else:
+            assert back[key] == value, key
+
+
+def test_to_flattening_batch_padded_layout():
+    """Documents placed at padded offsets (pad_to_multiple) come back contiguous, in order."""
+    from packgraph.packing import PackedBatch
+
+    docs = _docs((3, 6, 2))
+    batch = PackedBatch.from_documents(docs, bin_size=24, capacity=4, pad_to_multiple=4)
+    assert batch.packed_seq_params.cu_seqlens_q_padded is not None
+    back = hf.to_flattening_batch(batch)
+    assert torch.equal(back["input_ids"][0], torch.cat(docs))
+    assert back["cu_seq_lens_q"].tolist() == [0, 3, 9, 11] and back["max_length_q"] == 6
+    expected = torch.cat([torch.cat([torch.tensor([-100]), d[1:]]) for d in docs])
+    assert torch.equal(back["labels"][0], expected)
+
+
+def test_from_flattening_batch_errors():
+    collated = _collate(_docs())
+    with pytest.raises(ValueError, match="more than total_tokens"):
+        hf.from_flattening_batch(collated, total_tokens=10)
+    bad = dict(collated, cu_seq_lens_q=torch.tensor([0, 5, 99], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        hf.from_flattening_batch(bad)
+    with pytest.raises(ValueError, match="position_ids must be"):
+        hf.from_flattening_batch(dict(collated, position_ids=collated["position_ids"][:, :-1]))
+
+
+# ---------------------------------------------------------------------------------------------------- graphs
+def test_graph_decoder_layers_needs_cuda(llama_pair):
+    model, _ = llama_pair
+    sample = hf.from_flattening_batch(_collate(_docs()), total_tokens=TOTAL_TOKENS)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        hf.graph_decoder_layers(model, sample)
+
+
+@pytest.mark.parametrize("scope", ["layer", "attention", "mlp"])
+def test_graph_plumbing_matches_eager(scope):
+    """The patched forwards (split into graph inputs, call, restore HF's structure) change nothing: with an
+    identity 'capture' that returns the adapters themselves, logits and grads equal the unpatched model's."""
+    config = _configs()["llama"]
+    model = _model(config, "packgraph").train()
+    ref = _model(config, "packgraph", model.state_dict()).train()
+    batch = hf.from_flattening_batch(_collate(_docs()), total_tokens=TOTAL_TOKENS)
+    seen = []
+
+    def identity_capture(adapters, sample_args):
+        seen.append(sample_args)
+        return adapters
+
+    handle = hf._install(model, batch, scope=scope, forward_only=False, make_graphed=identity_capture)
+    n_args = 1 if scope == "mlp" else 4
+    assert len(seen[0]) == n_args and seen[0][0].requires_grad
+    assert all("forward" in t.__dict__ for t in handle.targets)
+    out = hf.packed_forward(model, batch, compute_loss=True)
+    expected = hf.packed_forward(ref, batch, compute_loss=True)
+    out.loss.backward()
+    expected.loss.backward()
+    torch.testing.assert_close(out.logits, expected.logits, atol=0, rtol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+    handle.remove()
+    assert not any("forward" in t.__dict__ for t in handle.targets)
+    with pytest.raises(ValueError, match="no attention mask"):
+        with hf._install(model, batch, scope="layer", forward_only=False, make_graphed=identity_capture):
+            model.model.layers[0](out.logits.new_zeros(1, 4, 32), attention_mask=torch.ones(1, 1, 4, 4),
+                                  position_embeddings=(None, None))  # fmt: skip
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+
+
+def test_graph_plumbing_rejects_wrong_attention():
+    model = _model(_configs()["llama"], "eager")
+    batch = hf.from_flattening_batch(_collate(_docs()), total_tokens=TOTAL_TOKENS)
+    with pytest.raises(ValueError, match="attn_implementation='packgraph'"):
+        hf._install(model, batch, scope="layer", forward_only=False, make_graphed=lambda a, s: a)
+
+
+class _EagerRecorder:
+    """CPU stand-in for the engine's CUDA recorder: ``record`` runs the body now and ``replay`` re-runs it into the
+    same result tensors. It drives the real capture engine (signatures, static buffers, chained layers, grad
+    buffers) without CUDA graphs. Recording runs bodies (a backward body adds into grad buffers), so captures
+    happen before the measured passes, with grads reset after."""
+
+    device_type = "cpu"
+
+    def check_input(self, t):
+        pass
+
+    def warmup(self, run, iters):
+        for _ in range(iters):
+            run()
+
+    def record(self, body):
+        results = body()
+        return _EagerReplay(body, results), results
+
+
+class _EagerReplay:
+    def __init__(self, body, results):
+        self.body, self.results = body, results
+
+    def replay(self):
+        with torch.no_grad():
+            for old, new in zip(self.results, self.body(), strict=True):
+                old.copy_(new)
+
+
+def _same_signature_batches():
+    return [
+        hf.from_flattening_batch(_collate(_docs(lengths, seed)), total_tokens=TOTAL_TOKENS, capacity=8, max_seqlen=32)
+        for lengths, seed in ((DOC_LENGTHS, 0), ((30, 2, 7), 1), ((1, 1, 20, 3, 3, 3, 2, 6), 2))
+    ]
+
+
+@pytest.mark.parametrize("scope", ["layer", "attention", "mlp"])
+def test_graph_decoder_layers_through_the_engine_on_a_cpu_stand_in(scope):
+    pytest.importorskip("packgraph.graphs.capture")
+    config = _configs()["llama"]
+    model = _model(config, "packgraph").train()
+    ref = _model(config, "packgraph", model.state_dict()).train()
+    batches = _same_signature_batches()
+    handle = hf.graph_decoder_layers(model, batches[0], scope=scope, _recorder=_EagerRecorder())
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        out = hf.packed_forward(model, batch, compute_loss=True)
+        expected = hf.packed_forward(ref, batch, compute_loss=True)
+        out.loss.backward()
+        expected.loss.backward()
+        torch.testing.assert_close(out.logits, expected.logits, atol=1e-6, rtol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert [g.captures for g in handle.graphed] == [1] * config.num_hidden_layers  # one signature, no recapture
+    handle.remove()
+    assert not any("forward" in t.__dict__ for t in handle.targets)
+
+
+def test_graph_decoder_layers_forward_only_on_a_cpu_stand_in():
+    pytest.importorskip("packgraph.graphs.capture")
+    config = _configs()["qwen3"]
+    model = _model(config, "packgraph")
+    ref = _model(config, "packgraph", model.state_dict())
+    batches = _same_signature_batches()
+    recorder = _EagerRecorder()
+    with torch.no_grad(), hf.graph_decoder_layers(model, batches[0], forward_only=True, _recorder=recorder) as handle:
+        for batch in batches:
+            got = hf.packed_forward(model, batch).logits
+            torch.testing.assert_close(got, hf.packed_forward(ref, batch).logits, atol=1e-6, rtol=1e-6)
+        # Captured in eval mode and called in eval mode: one graph per layer, no recapture.
+        assert [g.captures for g in handle.graphed] == [1] * config.num_hidden_layers
