@@ -347,3 +347,26 @@ def recover_after_failed_capture(previous_stream: Any, device: Any, pool: Any) -
             end(index, pool)
     except Exception:
         pass
+    _close_generator_capture(device)
+
+
+def _close_generator_capture(device: Any) -> None:
+    """Take the default CUDA generator out of capture mode after a capture that ended in error.
+
+    ``CUDAGraph.capture_end`` runs the generator's capture epilogue only after ``cudaStreamEndCapture`` succeeds;
+    when the capture was invalidated (a host sync inside it) the epilogue is skipped and the generator stays in
+    capture mode, so every later random op raises "Offset increment outside graph capture". An empty capture
+    on a side stream runs the prologue/epilogue pair once more and closes it, keeping the generator's state
+    object (graphs captured earlier stay registered with it).
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+            stream = torch.cuda.Stream(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                graph.capture_begin()
+                graph.capture_end()
+            del graph
+    except Exception:
+        pass
