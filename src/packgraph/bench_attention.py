@@ -35,7 +35,7 @@ __all__ = [
     "time_attention",
 ]
 
-CAPACITY_RUNGS: tuple[int, ...] = (8, 32, 128, 512)
+CAPACITY_RUNGS: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
 
 
 def attention_grid(true_max: int, num_seqs: int, T: int, policy: BucketPolicy) -> tuple[list[int], list[int]]:
@@ -56,7 +56,7 @@ def time_attention(
 ) -> float:
     """Median ms of one ``varlen_attention`` forward + backward (``autograd.grad`` w.r.t. q, k, v).
 
-    CUDA events on CUDA, ``perf_counter`` on the CPU.
+    On CUDA: replays of a CUDA graph of the region, timed with CUDA events. On the CPU: ``perf_counter``.
     """
     grad_out = torch.ones_like(q)
 
@@ -64,18 +64,32 @@ def time_attention(
         out = varlen_attention(q, k, v, params, causal=True)
         torch.autograd.grad(out, (q, k, v), grad_out)
 
-    for _ in range(warmup):
-        once()
     times = []
     if q.is_cuda:
+        # Time replays of a CUDA graph of fwd+bwd, as packgraph runs it: launched eagerly, this ~1 ms region is
+        # host-bound (a few dozen small kernels), so eager timings measured Python, not the kernels' grid cost.
+        side = torch.cuda.Stream(q.device)
+        side.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(side):
+            for _ in range(max(warmup, 1)):
+                once()
+        torch.cuda.current_stream(q.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            once()
+        for _ in range(max(warmup, 1)):
+            graph.replay()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for start, end in events:
             start.record()
-            once()
+            graph.replay()
             end.record()
         torch.cuda.synchronize(q.device)
         times = [start.elapsed_time(end) for start, end in events]
+        del graph
     else:
+        for _ in range(warmup):
+            once()
         for _ in range(reps):
             t = time.perf_counter()
             once()
@@ -171,9 +185,16 @@ def candidate_ladders(T: int) -> list[tuple[str, BucketPolicy]]:
         "x4 from 256": geometric(256, 4),
         "x2 from 1024": geometric(1024, 2),
         "x2 from 256": geometric(256, 2),
+        "x2 from 128": geometric(128, 2),
         "x2 from 64": geometric(64, 2),
     }
-    capacity_ladders = {"x4 from 8": CAPACITY_RUNGS, "32,512": (32, 512), "512": (512,)}
+    capacity_ladders = {
+        "x2 from 8": CAPACITY_RUNGS,
+        "x2 from 16": tuple(c for c in CAPACITY_RUNGS if c >= 16),
+        "x4 from 8": (8, 32, 128, 512),
+        "32,512": (32, 512),
+        "512": (512,),
+    }
     out = [("default", default_buckets(T))]
     for s_name, s in seqlen_ladders.items():
         for c_name, c in capacity_ladders.items():

@@ -31,7 +31,9 @@ __all__ = ["HostSync", "GraphCaptureError", "find_host_syncs", "explain_capture_
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _ENGINE_DIR = os.path.dirname(__file__) + os.sep
 _STDLIB_FILES = (os.sep + "contextlib.py", os.sep + "warnings.py")
-_SYNC_MESSAGE = "synchroniz"  # torch: "called a synchronizing CUDA operation"
+# torch warns "called a synchronizing CUDA operation"; its "Synchronization debug mode is a prototype" notice
+# (emitted when the mode is switched on) must not count as a sync.
+_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 _CAPTURE_MARKERS = ("capturing", "capture", "cudaErrorStreamCapture", "cudaErrorCapturedEvent")
 
 # "thread_local": a dataloader thread pinning memory (cudaHostAlloc) during a capture must not invalidate it.

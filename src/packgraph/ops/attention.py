@@ -22,8 +22,6 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -173,18 +171,19 @@ def _lengths(cu: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------- FA2 path
-@dataclass(frozen=True)
 class _VarlenAPI:
     """How to call one torch version's ``varlen_attn``; built once from its signature.
 
     torch 2.10 takes ``is_causal``; 2.11 takes ``window_size`` ((-1, 0) is causal) and ``scale``; 2.12+ adds
-    ``enable_gqa``.
+    ``enable_gqa``. A plain class (not a frozen dataclass, not behind ``lru_cache``) so that torch.compile can
+    trace through it: dynamo failed on the frozen-dataclass attribute access.
     """
 
-    fn: Callable[..., Tensor]
-    causal_kw: str
-    has_scale: bool
-    has_enable_gqa: bool
+    def __init__(self, fn: Callable[..., Tensor], causal_kw: str, has_scale: bool, has_enable_gqa: bool) -> None:
+        self.fn = fn
+        self.causal_kw = causal_kw
+        self.has_scale = has_scale
+        self.has_enable_gqa = has_enable_gqa
 
     @classmethod
     def from_function(cls, fn: Callable[..., Tensor]) -> _VarlenAPI:
@@ -238,13 +237,19 @@ def _repeat_kv(x: Tensor, group: int) -> Tensor:
     return x[:, :, None, :].expand(t, h, group, d).reshape(t, h * group, d)
 
 
-@lru_cache(maxsize=1)
-def _torch_varlen_api() -> _VarlenAPI | None:
+def _detect_torch_varlen_api() -> _VarlenAPI | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     return _VarlenAPI.from_function(varlen_attn)
+
+
+_TORCH_VARLEN_API = _detect_torch_varlen_api()  # detected once, at import
+
+
+def _torch_varlen_api() -> _VarlenAPI | None:
+    return _TORCH_VARLEN_API
 
 
 def flash_offsets(packed_seq_params: PackedSeqParams) -> tuple[Tensor, Tensor]:
