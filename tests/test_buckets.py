@@ -71,8 +71,8 @@ def test_default_buckets(total_tokens):
     policy = default_buckets(total_tokens)
     seqlens, caps = policy.max_seqlen_ladder, policy.capacity_ladder
     assert seqlens[-1] == total_tokens
-    powers = [2**k for k in range(8, 20) if 2**k < total_tokens]
-    assert list(seqlens[:-1]) == powers
+    powers_of_four = [4**k for k in range(4, 10) if 4**k < total_tokens]  # 256, 1024, 4096, ...
+    assert list(seqlens[:-1]) == powers_of_four
     assert caps == tuple(sorted({min(c, total_tokens) for c in (8, 32, 128, 512)}))
     assert policy.num_buckets <= 40, "default ladders must stay small"
     with pytest.raises(ValueError):

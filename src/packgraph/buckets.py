@@ -176,21 +176,28 @@ class BucketPolicy:
 
 
 def default_buckets(total_tokens: int) -> BucketPolicy:
-    """A small default policy for batches of ``total_tokens`` rows.
+    """The default policy for batches of ``total_tokens`` rows.
 
-    * max_seqlen: powers of two from 256 below ``total_tokens``, then ``total_tokens`` itself (a document can
-      never be longer than the batch).
-    * capacity: ``(8, 32, 128, 512)``, each capped at ``total_tokens`` (a bin of ``T`` rows never needs more than
-      ``T`` non-empty slots).
+    * max_seqlen: ``256, 1024, 4096, ...`` (x4) below ``total_tokens``, then ``total_tokens`` itself (a document
+      can never be longer than the batch);
+    * capacity: ``(8, 32, 128, 512)``, each capped at ``total_tokens``.
+
+    Chosen from the attention micro-benchmark (``packgraph bench --attention-only``; H200, torch 2.11, FA2
+    varlen fwd+bwd timed as CUDA-graph replays, T=8192, corpus/short/long mixes, head_dim 64 and 128, 18
+    packings; bench/results/2026-11-29-h200/). Against eager's exact (true max_seqlen, true count):
+    this ladder (16 buckets at T=8192) is at most 1.060x (mean 1.025x); x2 max_seqlen rungs from 256 (24
+    buckets) gain nothing (1.060x worst); x2 capacity rungs from 8 (28 buckets) reach 1.035x worst; the naive
+    static choice (max_seqlen T, capacity 512) is up to 11.4x slower. Ghost slots cost
+    ``ceil(max_seqlen / 128) x heads`` empty FlashAttention blocks each, so capacity and max_seqlen rungs must
+    both stay close to the batch.
     """
     if total_tokens < 1:
         raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
-    # Placeholder ladders: the benchmark issue tunes both from measurements (graphs captured vs attention time).
     seqlens = {total_tokens}
     rung = 256
     while rung < total_tokens:
         seqlens.add(rung)
-        rung *= 2
+        rung *= 4
     capacities = {min(c, total_tokens) for c in (8, 32, 128, 512)}
     return BucketPolicy(tuple(sorted(seqlens)), tuple(sorted(capacities)))
 

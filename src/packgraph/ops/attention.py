@@ -316,7 +316,12 @@ def _flash_attention(
         k = _ZeroDeadRowGrad.apply(k, rows_k.live)
     if v.requires_grad:
         v = _ZeroDeadRowGrad.apply(v, rows_k.live)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if torch.compiler.is_compiling():
+        # Inductor (seen on torch 2.11) fails to hand a slice view (v split off a fused qkv) to the varlen
+        # custom op ("NotImplementedError: SliceView"); a contiguous copy is fused into the producer.
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    else:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = api(
         q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal=causal, softmax_scale=softmax_scale
     )
