@@ -111,9 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-every", type=int, default=0, help="also keep checkpoint-<step>.pt every N steps")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--no-plot", action="store_true", help="no loss.png")
-    train.add_argument(
-        "--deterministic", action="store_true", help="deterministic kernels (FA2 backward without atomics)"
-    )
     train.add_argument("--nproc", type=_positive_int, default=1, help="processes (GPUs) for data parallel")
 
     score = sub.add_parser("score", help="per-token logprobs of packed batches, graphed vs eager")
@@ -199,7 +196,6 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         checkpoint_every=args.checkpoint_every,
         progress=not args.no_progress,
         plot=not args.no_plot,
-        deterministic=args.deterministic,
     )
     if args.lr is not None:
         overrides["lr"] = args.lr

@@ -89,7 +89,6 @@ class TrainConfig:
     save_checkpoint: bool = True
     progress: bool = True
     plot: bool = True
-    deterministic: bool = False
 
     def validate(self) -> TrainConfig:
         def need(ok: bool, msg: str) -> None:
@@ -325,19 +324,6 @@ def accumulate_gradients(
     return step_loss
 
 
-def use_deterministic_kernels() -> None:
-    """Ask torch for deterministic kernels (FlashAttention's backward without atomics, deterministic cuBLAS).
-
-    bf16 training is chaotic: kernels that accumulate with atomics (FA2's dq) make two identical runs drift
-    apart. With this on, eager and graphed runs execute the same kernels in the same order, so their loss
-    curves can be compared without that noise. ``warn_only`` keeps ops without a deterministic variant
-    usable, and uninitialised memory is not filled (its NaN fill costs time and packgraph zeroes dead rows).
-    """
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = False
-
-
 def train(cfg: TrainConfig, *, echo: Callable[[str], None] | None = print) -> TrainResult:
     """Run ``cfg``; see the module docstring for the step and the artefacts.
 
@@ -346,8 +332,6 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] | None = print) -> Tr
         FileNotFoundError: ``resume`` names no checkpoint.
     """
     cfg.validate()
-    if cfg.deterministic:
-        use_deterministic_kernels()
     device = resolve_device(cfg.device)
     graphs = device.type == "cuda" if cfg.graphs is None else cfg.graphs
     if graphs and device.type != "cuda":

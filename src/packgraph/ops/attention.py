@@ -316,17 +316,32 @@ def _flash_attention(
         k = _ZeroDeadRowGrad.apply(k, rows_k.live)
     if v.requires_grad:
         v = _ZeroDeadRowGrad.apply(v, rows_k.live)
-    if torch.compiler.is_compiling():
-        # Inductor (seen on torch 2.11) fails to hand a slice view (v split off a fused qkv) to the varlen
-        # custom op ("NotImplementedError: SliceView"); a contiguous copy is fused into the producer.
-        q, k, v = (t.contiguous() for t in (q, k, v))
-    else:
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = api(
-        q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal=causal, softmax_scale=softmax_scale
-    )
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # Under torch.compile the kernel call stays out of the compiled graph (one graph break per attention; the
+    # ops around it are still compiled): with it inside, inductor on torch 2.11 failed on the GPT's step with
+    # "NotImplementedError: SliceView" (bench/results/2026-11-29-h200-run4).
+    call = _flash_kernel_uncompiled if torch.compiler.is_compiling() else _flash_kernel
+    out = call(api, q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal, softmax_scale)
     # The kernel leaves dead rows unwritten (garbage, possibly NaN): select zeros, don't multiply.
     return torch.where(rows_q.live[:, None, None], out, 0)
+
+
+def _flash_kernel(
+    api: _VarlenAPI,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    softmax_scale: float | None,
+) -> Tensor:
+    return api(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=softmax_scale)
+
+
+_flash_kernel_uncompiled = torch.compiler.disable(_flash_kernel)
 
 
 def _flash_eligible(q: Tensor) -> bool:
