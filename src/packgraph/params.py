@@ -34,6 +34,7 @@ __all__ = [
     "PackedSeqParamsError",
     "StaticSignature",
     "GroupIdentity",
+    "slot_of_rows",
 ]
 
 DYNAMIC_FIELDS: tuple[str, ...] = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
@@ -331,7 +332,7 @@ class PackedSeqParams:
             raise PackedSeqParamsError("total_tokens", "required to derive seq_idx")
         offsets = self.layout_offsets("q")
         rows = torch.arange(self.total_tokens, device=offsets.device, dtype=offsets.dtype)
-        seq_idx = torch.searchsorted(offsets[1:].contiguous(), rows, right=True).to(torch.int32)
+        seq_idx = slot_of_rows(offsets, rows).to(torch.int32)
         return dataclasses.replace(self, seq_idx=seq_idx.view(1, -1))
 
     # ------------------------------------------------------------------ graph contract
@@ -534,6 +535,17 @@ class PackedSeqParams:
                     ((p[1:] - p[:-1]) >= (r[1:] - r[:-1])).all(),
                     f"PackedSeqParams.{padded_name}: padded length below unpadded length",
                 )
+
+
+def slot_of_rows(offsets: Tensor, rows: Tensor) -> Tensor:
+    """For each row, the slot ``s`` with ``offsets[s] <= row < offsets[s + 1]``: int64, shaped like ``rows``.
+
+    Zero-length (ghost) slots are skipped (the last slot starting at or before the row wins); rows at or past
+    the last offset get ``len(offsets) - 1``. One ``searchsorted`` on the device: fixed shape, no host sync.
+    It searches the whole ``offsets`` tensor rather than ``offsets[1:]``: inductor (torch 2.11) cannot lower
+    ``searchsorted`` over a slice view ("NotImplementedError: SliceView").
+    """
+    return (torch.searchsorted(offsets, rows, right=True) - 1).clamp_(min=0)
 
 
 def _offsets(lengths: Sequence[int], ghost_slots: int) -> tuple[int, ...]:

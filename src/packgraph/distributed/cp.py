@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from packgraph.ops import varlen_attention
-from packgraph.params import PackedSeqParams, PackedSeqParamsError
+from packgraph.params import PackedSeqParams, PackedSeqParamsError, slot_of_rows
 
 if TYPE_CHECKING:
     from packgraph.packing import PackedBatch
@@ -111,8 +111,7 @@ def _local_chunks(global_offsets: Tensor, cp_size: int, local_rows: int) -> _Chu
     """Where each local row sits; identical on every rank (the local layout does not depend on the rank)."""
     local_offsets = global_offsets // cp_size
     rows = torch.arange(local_rows, device=global_offsets.device)
-    # right=True skips zero-length (ghost) segments: the first segment whose end is past the row holds it.
-    segment = torch.searchsorted(local_offsets[1:].contiguous(), rows, right=True)
+    segment = slot_of_rows(local_offsets, rows)
     chunk = (global_offsets[1:] - global_offsets[:-1]) // (2 * cp_size)
     return _Chunks(segment, chunk[segment], rows - local_offsets[segment], global_offsets[segment])
 
@@ -388,7 +387,7 @@ def cp_varlen_attention(
     kv_cu = _interleaved_offsets((rank + 1) * chunk, (2 * cp_size - rank) * chunk)
     T_kv = (2 * cp_size + 1) * T // (2 * cp_size)
     kv_rows = torch.arange(T_kv, device=device)
-    kv_segment = torch.searchsorted(kv_cu[1:].contiguous(), kv_rows, right=True)
+    kv_segment = slot_of_rows(kv_cu, kv_rows)
     live_kv = kv_segment < 2 * capacity
     slot = (kv_segment // 2).clamp(max=max(capacity - 1, 0))
     global_row = offsets[slot] + kv_rows - kv_cu[kv_segment.clamp(max=2 * capacity - 1)]

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from packgraph.params import PackedSeqParams, PackedSeqParamsError
+from packgraph.params import PackedSeqParams, PackedSeqParamsError, slot_of_rows
 
 __all__ = ["varlen_attention", "varlen_attention_reference", "row_layout", "RowLayout", "flash_offsets"]
 
@@ -59,8 +59,7 @@ def row_layout(packed_seq_params: PackedSeqParams, which: str, n_rows: int) -> R
     layout = packed_seq_params.layout_offsets(which).long()
     cu = getattr(packed_seq_params, f"cu_seqlens_{which}").long()
     rows = torch.arange(n_rows, device=layout.device)
-    # right=True skips zero-length (ghost) slots: the first slot whose end is past the row holds it.
-    slot = torch.searchsorted(layout[1:].contiguous(), rows, right=True)
+    slot = slot_of_rows(layout, rows)
     pos = rows - layout.gather(0, slot)
     lengths = torch.cat([cu[1:] - cu[:-1], cu.new_zeros(1)])  # slot == capacity (tail) reads 0
     length = lengths.gather(0, slot)
@@ -317,31 +316,11 @@ def _flash_attention(
     if v.requires_grad:
         v = _ZeroDeadRowGrad.apply(v, rows_k.live)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    # Under torch.compile the kernel call stays out of the compiled graph (one graph break per attention; the
-    # ops around it are still compiled): with it inside, inductor on torch 2.11 failed on the GPT's step with
-    # "NotImplementedError: SliceView" (bench/results/2026-11-29-h200-run4).
-    call = _flash_kernel_uncompiled if torch.compiler.is_compiling() else _flash_kernel
-    out = call(api, q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal, softmax_scale)
+    out = api(
+        q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal=causal, softmax_scale=softmax_scale
+    )
     # The kernel leaves dead rows unwritten (garbage, possibly NaN): select zeros, don't multiply.
     return torch.where(rows_q.live[:, None, None], out, 0)
-
-
-def _flash_kernel(
-    api: _VarlenAPI,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_q: Tensor,
-    cu_k: Tensor,
-    max_q: int,
-    max_k: int,
-    causal: bool,
-    softmax_scale: float | None,
-) -> Tensor:
-    return api(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=softmax_scale)
-
-
-_flash_kernel_uncompiled = torch.compiler.disable(_flash_kernel)
 
 
 def _flash_eligible(q: Tensor) -> bool:
