@@ -89,7 +89,7 @@ class CudaRecorder:
         # Lazy initialisation (cuBLAS workspaces, autotuning) must not land inside a capture.
         torch.cuda.synchronize(self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), _without_donated_buffers():
             for _ in range(iters):
                 run()
         torch.cuda.synchronize(self.device)
@@ -98,12 +98,31 @@ class CudaRecorder:
         graph = torch.cuda.CUDAGraph()
         previous = torch.cuda.current_stream(self.device)
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, **safety.CAPTURE_KWARGS):
+            with (
+                torch.cuda.graph(graph, pool=self.pool, stream=self.stream, **safety.CAPTURE_KWARGS),
+                _without_donated_buffers(),
+            ):
                 results = body()
         except BaseException:
             safety.recover_after_failed_capture(previous, self.device, self.pool)
             raise
         return graph, results
+
+
+def _without_donated_buffers() -> contextlib.AbstractContextManager:
+    """A torch.compile'd callable compiled in here keeps its saved activations for a retained backward.
+
+    By default AOTAutograd donates saved activations to the backward, which then refuses ``retain_graph=True``
+    ("compiled with non-empty donated buffers"); the engine's backward retains them (see ``entry.py``), so a
+    compiled layer is compiled, during warm-up, without donation.
+    """
+    try:
+        import torch._functorch.config as config
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(config, "donated_buffer"):
+        return contextlib.nullcontext()
+    return config.patch(donated_buffer=False)
 
 
 def _cuda_recorder(pool: Any, sample_args: Any, who: str) -> CudaRecorder:
