@@ -184,7 +184,7 @@ def default_buckets(total_tokens: int) -> BucketPolicy:
 
     Chosen from the attention micro-benchmark (``packgraph bench --attention-only``; H200, torch 2.11, FA2
     varlen fwd+bwd timed as CUDA-graph replays, T=8192, corpus/short/long mixes, head_dim 64 and 128, 18
-    packings; bench/results/2026-11-29-h200/). Against eager's exact (true max_seqlen, true count):
+    packings; bench/results/2026-11-29-h200-run4/). Against eager's exact (true max_seqlen, true count):
     this ladder (16 buckets at T=8192) is at most 1.060x (mean 1.025x); x2 max_seqlen rungs from 256 (24
     buckets) gain nothing (1.060x worst); x2 capacity rungs from 8 (28 buckets) reach 1.035x worst; the naive
     static choice (max_seqlen T, capacity 512) is up to 11.4x slower. Ghost slots cost
