@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from packgraph.models.gpt import GPT, PRESETS, SCOPES, GPTConfig
 from packgraph.packing import PackedBatch
 from packgraph.params import PackedSeqParams
+from tests.eager_recorder import EagerRecorder
 
 
 def naive_rope(x, base):
@@ -195,39 +196,6 @@ def test_tokens_need_params():
 
 
 # ---------------------------------------------------------------------------------------------- graphed wiring
-class EagerRecorder:
-    """A CPU stand-in for the CUDA recorder: ``record`` runs the body now, ``replay`` re-runs it and copies the
-    fresh results into the first ones (the static buffers). It exercises the wrapper's wiring through the real
-    capture engine (signatures, static buffers, chained layers, grad buffers) without CUDA graphs.
-
-    Unlike a CUDA capture, recording executes the body (a backward body adds into the grad buffers), so tests
-    capture every graph set before the measured passes, with ``.grad`` set to None.
-    """
-
-    device_type = "cpu"
-
-    def check_input(self, t):
-        pass
-
-    def warmup(self, run, iters):
-        for _ in range(iters):
-            run()
-
-    def record(self, body):
-        results = body()
-        return _EagerReplay(body, results), results
-
-
-class _EagerReplay:
-    def __init__(self, body, results):
-        self.body, self.results = body, results
-
-    def replay(self):
-        with torch.no_grad():
-            for old, new in zip(self.results, self.body(), strict=True):
-                old.copy_(new)
-
-
 def graph_batches():
     g = torch.Generator().manual_seed(11)
     out = []

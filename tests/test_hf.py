@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from packgraph.buckets import BucketPolicy  # noqa: E402
 from packgraph.integrations import hf  # noqa: E402
 from packgraph.params import PackedSeqParamsError  # noqa: E402
+from tests.eager_recorder import EagerRecorder  # noqa: E402
 
 VOCAB = 97
 DOC_LENGTHS = (5, 17, 1, 9, 12)
@@ -298,36 +299,6 @@ def test_graph_plumbing_rejects_wrong_attention():
         hf._install(model, batch, scope="layer", forward_only=False, make_graphed=lambda a, s: a)
 
 
-class _EagerRecorder:
-    """CPU stand-in for the engine's CUDA recorder: ``record`` runs the body now and ``replay`` re-runs it into the
-    same result tensors. It drives the real capture engine (signatures, static buffers, chained layers, grad
-    buffers) without CUDA graphs. Recording runs bodies (a backward body adds into grad buffers), so captures
-    happen before the measured passes, with grads reset after."""
-
-    device_type = "cpu"
-
-    def check_input(self, t):
-        pass
-
-    def warmup(self, run, iters):
-        for _ in range(iters):
-            run()
-
-    def record(self, body):
-        results = body()
-        return _EagerReplay(body, results), results
-
-
-class _EagerReplay:
-    def __init__(self, body, results):
-        self.body, self.results = body, results
-
-    def replay(self):
-        with torch.no_grad():
-            for old, new in zip(self.results, self.body(), strict=True):
-                old.copy_(new)
-
-
 def _same_signature_batches():
     return [
         hf.from_flattening_batch(_collate(_docs(lengths, seed)), total_tokens=TOTAL_TOKENS, capacity=8, max_seqlen=32)
@@ -342,7 +313,7 @@ def test_graph_decoder_layers_through_the_engine_on_a_cpu_stand_in(scope):
     model = _model(config, "packgraph").train()
     ref = _model(config, "packgraph", model.state_dict()).train()
     batches = _same_signature_batches()
-    handle = hf.graph_decoder_layers(model, batches[0], scope=scope, _recorder=_EagerRecorder())
+    handle = hf.graph_decoder_layers(model, batches[0], scope=scope, _recorder=EagerRecorder())
     for batch in batches:
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
@@ -364,7 +335,7 @@ def test_graph_decoder_layers_forward_only_on_a_cpu_stand_in():
     model = _model(config, "packgraph")
     ref = _model(config, "packgraph", model.state_dict())
     batches = _same_signature_batches()
-    recorder = _EagerRecorder()
+    recorder = EagerRecorder()
     with torch.no_grad(), hf.graph_decoder_layers(model, batches[0], forward_only=True, _recorder=recorder) as handle:
         for batch in batches:
             got = hf.packed_forward(model, batch).logits
