@@ -172,7 +172,6 @@ def test_help_and_nproc_forwarding(capsys):
 
 def test_train_nproc_2_equals_one_process_with_2_micro_batches(tmp_path):
     """`--nproc 2` (torchrun, gloo) = one process accumulating the same two micro-batches per step."""
-    pytest.importorskip("packgraph.distributed")
     common = ["train", "--device", "cpu", "--steps", "3", "--T", "128", "--max-docs", "3", "--no-progress"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     for name, extra in (("dp", ["--nproc", "2"]), ("accum", ["--grad-accum", "2"])):

@@ -216,7 +216,6 @@ def graph_batches():
 
 @pytest.mark.parametrize("scope", SCOPES)
 def test_graphed_wrapper_wiring_equals_eager_on_a_cpu_stand_in(scope):
-    pytest.importorskip("packgraph.graphs.capture")
     model = make_model(n_kv_head=2)
     graphed = model.graphed(scope=scope, _recorder=EagerRecorder())
     batches = graph_batches()
@@ -252,7 +251,6 @@ def test_graphed_wrapper_wiring_equals_eager_on_a_cpu_stand_in(scope):
 
 @pytest.mark.parametrize("scope", ["layer", "attn", "model"])
 def test_graphed_forward_only_logprobs_equal_eager_on_a_cpu_stand_in(scope):
-    pytest.importorskip("packgraph.graphs.capture")
     model = make_model()
     graphed = model.graphed(scope=scope, forward_only=True, _recorder=EagerRecorder())
     for _ in range(2):

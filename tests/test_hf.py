@@ -308,7 +308,6 @@ def _same_signature_batches():
 
 @pytest.mark.parametrize("scope", ["layer", "attention", "mlp"])
 def test_graph_decoder_layers_through_the_engine_on_a_cpu_stand_in(scope):
-    pytest.importorskip("packgraph.graphs.capture")
     config = _configs()["llama"]
     model = _model(config, "packgraph").train()
     ref = _model(config, "packgraph", model.state_dict()).train()
@@ -330,7 +329,6 @@ def test_graph_decoder_layers_through_the_engine_on_a_cpu_stand_in(scope):
 
 
 def test_graph_decoder_layers_forward_only_on_a_cpu_stand_in():
-    pytest.importorskip("packgraph.graphs.capture")
     config = _configs()["qwen3"]
     model = _model(config, "packgraph")
     ref = _model(config, "packgraph", model.state_dict())
