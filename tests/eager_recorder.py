@@ -27,9 +27,10 @@ class EagerRecorder:
 
 class EagerReplay:
     def __init__(self, body, results):
-        self.body, self.results = body, results
+        self.body, self.results, self.replays = body, results, 0
 
     def replay(self):
+        self.replays += 1
         with torch.no_grad():
             for old, new in zip(self.results, self.body(), strict=True):
                 old.copy_(new)

@@ -24,35 +24,9 @@ from packgraph.graphs.capture import capture_layers_with, capture_with
 from packgraph.models.gpt import Block, GPTConfig
 from packgraph.ops import varlen_attention
 from packgraph.params import PackedSeqParams, PackedSeqParamsError
+from tests.eager_recorder import EagerRecorder
 
 T, D = 48, 32
-
-
-class EagerGraph:
-    def __init__(self, body, results):
-        self.body, self.results, self.replays = body, results, 0
-
-    def replay(self):
-        self.replays += 1
-        new = self.body()
-        with torch.no_grad():
-            for static, fresh in zip(self.results, new, strict=True):
-                static.copy_(fresh)
-
-
-class EagerRecorder:
-    device_type = "cpu"
-
-    def check_input(self, t):
-        pass
-
-    def warmup(self, run, iters):
-        for _ in range(iters):
-            run()
-
-    def record(self, body):
-        results = body()
-        return EagerGraph(body, results), results
 
 
 class NullGraph:
