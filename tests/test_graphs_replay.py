@@ -575,3 +575,34 @@ def test_unhashable_static_arguments_are_flagged(caplog):
     assert any("args[1] (set) is compared by identity" in r.getMessage() for r in caplog.records)
     graphed(_x(1), {"a", "b"})  # an equal but new object: a new signature
     assert graphed.captures == 2
+
+
+@pytest.mark.parametrize("derive", ["view", "reshape", "clone", "double_transpose"])
+def test_input_grads_through_a_view_of_a_leaf_accumulate_as_eager(derive):
+    """A leaf reaching the graph through a view (or any non-leaf) must not end up holding the static grad buffer:
+    the next replay would overwrite its .grad, and a second micro-batch would add the buffer to itself."""
+    make = {
+        "view": lambda a: a.view(2, 4),
+        "reshape": lambda a: a.reshape(2, 4),
+        "clone": lambda a: a.view(2, 4).clone(),
+        "double_transpose": lambda a: a.view(2, 4).t().t(),
+    }[derive]
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).double()
+    ref = nn.Linear(4, 4).double()
+    ref.load_state_dict(lin.state_dict())
+    graphed = capture_with(EagerRecorder(), lin, (torch.randn(2, 4, dtype=torch.float64, requires_grad=True),))
+    lin.zero_grad(set_to_none=True)
+    a = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    a_ref, b_ref = (t.detach().clone().requires_grad_() for t in (a, b))
+    for scale in (1.0, 3.0):
+        (scale * graphed(make(a)).sum()).backward()
+        (scale * ref(make(a_ref)).sum()).backward()
+    grad_after_a = a.grad.clone()
+    (graphed(make(b)) * 2).sum().backward()  # another backward of the same graph must leave a.grad alone
+    (ref(make(b_ref)) * 2).sum().backward()
+    torch.testing.assert_close(a.grad, a_ref.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(a.grad, grad_after_a, rtol=0, atol=0)
+    torch.testing.assert_close(b.grad, b_ref.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=0, atol=1e-12)

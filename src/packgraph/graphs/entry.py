@@ -9,7 +9,7 @@ Parameter grads (``param_grads="graph"``): the backward graph adds each paramete
 parameter (shared by every graph that trains it). Before a replay, a parameter whose ``.grad`` is not that buffer is
 handled on the host: ``None`` (after ``zero_grad(set_to_none=True)``) zeroes the buffer and makes it ``.grad`` after the
 replay; a tensor the caller assigned gets the buffer added to it. In the steady state (``.grad`` is the buffer) a
-replay costs no per-parameter work at all.
+replay costs one identity check per parameter on the host and no device work beyond the graph.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class Entry:
             substitutes.append(buf)
         self.chained = any(is_chained(k) for k in keys)
         self.grad_positions = [i for i, k in enumerate(keys) if tensor_requires_grad(k)]
+        self.chained_grad_inputs = [is_chained(keys[i]) for i in self.grad_positions]
         self.static_args, self.static_kwargs = rebuild_call(args, kwargs, substitutes)
         self.fwd_graph: Any = None
         self.bwd_graph: Any = None
@@ -241,13 +242,17 @@ class Entry:
                 for p, g in zip(self.owner.trainable_params, self.static_param_grads, strict=True)
             ]
         out = []
-        for g, source in zip(self.static_grad_inputs, stored, strict=True):
+        for g, source, chained in zip(self.static_grad_inputs, stored, self.chained_grad_inputs, strict=True):
             if g is None:
                 out.append(None)
-            elif source is not None and (source.grad is None or not source.is_leaf):
-                out.append(g.clone())  # autograd would keep it as .grad, and the next replay would overwrite it
-            else:
+            elif chained or (source is not None and source.is_leaf and source.grad is not None):
+                # The producer graph reads it in place (chained), or autograd adds it into an existing .grad:
+                # nothing keeps the static buffer past this backward.
                 out.append(g.detach())
+            else:
+                # Autograd may keep it: as a leaf's first .grad, or through a view/reshape/clone of a leaf, whose
+                # backward passes the same storage on to AccumulateGrad. The next replay would overwrite it.
+                out.append(g.clone())
         return out + extra
 
     def _replay_accumulating(self) -> None:
