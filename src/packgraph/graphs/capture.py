@@ -18,10 +18,11 @@ Contract and limits (read these):
   ``torch.no_grad()``) before the next forward of the same signature (a warning says when this is broken).
 * **Parameter grads** (``param_grads="graph"``, the default) are accumulated *inside* the backward graph into one
   persistent buffer per parameter, which becomes ``p.grad``: replays sum up like eager micro-batches, with no
-  per-parameter device work outside the graph (one identity check per parameter on the host). After ``zero_grad(set_to_none=True)`` the next backward zeroes and reuses that
-  buffer; a ``p.grad`` you assigned yourself is added to instead. These grads bypass autograd, so grad hooks
-  (DDP's reducer, ``register_post_accumulate_grad_hook``) and ``torch.autograd.grad(loss, params)`` do not see
-  them: use ``param_grads="autograd"`` for those (one accumulate per parameter per replay, on the host).
+  per-parameter device work outside the graph (one identity check per parameter on the host). After
+  ``zero_grad(set_to_none=True)`` the next backward zeroes and reuses that buffer; a ``p.grad`` you assigned yourself
+  is added to instead. These grads bypass autograd, so grad hooks (DDP's reducer,
+  ``register_post_accumulate_grad_hook``) and ``torch.autograd.grad(loss, params)`` do not see them: use
+  ``param_grads="autograd"`` for those (one accumulate per parameter per replay, on the host).
 * Only the parameters of the module (or of the module a bound method belongs to) are trained; tensors a plain
   function closes over are constants. Parameters must keep their storage (``optimizer.step`` and
   ``load_state_dict`` are fine; ``module.to(dtype)`` or re-assigning a parameter needs a new capture), and their
