@@ -205,7 +205,7 @@ def default_buckets(total_tokens: int) -> BucketPolicy:
 def _true_extent(params: PackedSeqParams) -> tuple[int, int, dict[str, Sequence[int]] | None]:
     """``(max_seqlen, num_used_slots, host_offsets or None)``, from host offsets when they cover every field."""
     present = [name for name in DYNAMIC_FIELDS if getattr(params, name) is not None]
-    host = params.host_offsets
+    host = params.current_host_offsets()
     if host is None or any(name not in host for name in present):
         bound = max(v for v in (params.max_seqlen_q, params.max_seqlen_kv) if v is not None)
         return bound, params.capacity, None

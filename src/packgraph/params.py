@@ -34,6 +34,7 @@ __all__ = [
     "PackedSeqParamsError",
     "StaticSignature",
     "GroupIdentity",
+    "HostOffsets",
     "slot_of_rows",
 ]
 
@@ -139,6 +140,25 @@ class StaticSignature:
         return out
 
 
+class HostOffsets(dict):
+    """Host copies of offset tensors (field name -> tuple of ints), with each tensor's ``_version`` when read.
+
+    An in-place write to a tensor (``cu_seqlens_q.copy_(...)``) bumps its version, which makes the copies stale:
+    :meth:`PackedSeqParams.current_host_offsets` then stops trusting them.
+    """
+
+    def __init__(self, offsets: Mapping[str, Sequence[int]], versions: Mapping[str, int | None]) -> None:
+        super().__init__({name: tuple(offs) for name, offs in offsets.items()})
+        self.versions = dict(versions)
+
+
+def _version_of(t: Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors track no version
+        return None
+
+
 @dataclass(eq=False)
 class PackedSeqParams:
     """Packed-sequence metadata, Megatron-compatible.
@@ -158,6 +178,7 @@ class PackedSeqParams:
         seq_idx: optional int32 ``[1, total_tokens]`` document index of each row (Mamba). Dynamic.
         host_offsets: host copies of the dynamic fields' values, when known (``from_seqlens``, the packer).
             They let ``validate`` check values with no device sync. Not a Megatron field; not in the signature.
+            Copies made stale by an in-place write are not trusted (:meth:`current_host_offsets`).
     """
 
     qkv_format: str = "thd"
@@ -172,6 +193,34 @@ class PackedSeqParams:
     total_tokens: int | None = None
     seq_idx: Tensor | None = None
     host_offsets: Mapping[str, tuple[int, ...]] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.host_offsets is not None and not isinstance(self.host_offsets, HostOffsets):
+            versions = {
+                name: _version_of(t) for name in self.host_offsets if isinstance(t := getattr(self, name, None), Tensor)
+            }
+            self.host_offsets = HostOffsets(self.host_offsets, versions)
+
+    def current_host_offsets(self) -> Mapping[str, tuple[int, ...]] | None:
+        """``host_offsets`` if they still describe the tensors, else None.
+
+        They are stale when a tensor was written in place after they were read (its version moved) or when a
+        field now holds a tensor of another length (assigned directly instead of through :meth:`replace`).
+        """
+        host = self.host_offsets
+        if host is None:
+            return None
+        versions = getattr(host, "versions", {})
+        for name, offs in host.items():
+            t = getattr(self, name, None)
+            if not isinstance(t, Tensor):
+                continue
+            if len(offs) != t.numel():
+                return None
+            version = _version_of(t)
+            if version is not None and versions.get(name) is not None and versions[name] != version:
+                return None
+        return host
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -462,8 +511,9 @@ class PackedSeqParams:
 
     def _host_values(self, sync: bool) -> dict[str, list[int]] | None:
         present = {k: v for k, v in self.graph_inputs().items() if k != "seq_idx"}
-        if self.host_offsets is not None and set(self.host_offsets) >= set(present):
-            return {k: list(self.host_offsets[k]) for k in present}
+        host = self.current_host_offsets()
+        if host is not None and set(host) >= set(present):
+            return {k: list(host[k]) for k in present}
         if self.device.type == "cpu":
             return {k: v.tolist() for k, v in present.items()}
         if not sync:

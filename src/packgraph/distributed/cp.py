@@ -276,7 +276,7 @@ def _local_host_offsets(params: PackedSeqParams, cp_rank: int, cp_size: int) -> 
     """Host copies of the local offsets, and the divisibility/max_seqlen checks, when the host knows the offsets
     (``host_offsets``, or CPU tensors)."""
     layout_name = "cu_seqlens_q_padded" if params.cu_seqlens_q_padded is not None else "cu_seqlens_q"
-    host = params.host_offsets or {}
+    host = params.current_host_offsets() or {}
     if layout_name in host and "cu_seqlens_q" in host:
         layout, cu = host[layout_name], host["cu_seqlens_q"]
     elif params.device.type == "cpu":

@@ -602,8 +602,9 @@ def _document_lengths(batch: Mapping[str, Any], n: int) -> list[int]:
 
 
 def _host_offsets(params: PackedSeqParams, name: str) -> list[int]:
-    if params.host_offsets is not None and name in params.host_offsets:
-        return list(params.host_offsets[name])
+    host = params.current_host_offsets()
+    if host is not None and name in host:
+        return list(host[name])
     return getattr(params, name).tolist()
 
 

@@ -109,7 +109,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams) -> N
         if padded is not None and padded.shape != cu.shape:
             raise PackedSeqParamsError(f"{name}_padded", "shape differs from its unpadded twin")
         # Offsets past the stream would read out of bounds in the kernel; when the host knows them, check free.
-        host = params.host_offsets or {}
+        host = params.current_host_offsets() or {}
         layout_name = f"{name}_padded" if padded is not None else name
         if layout_name in host and host[layout_name][-1] > rows:
             raise PackedSeqParamsError(
