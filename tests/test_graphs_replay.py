@@ -606,3 +606,16 @@ def test_input_grads_through_a_view_of_a_leaf_accumulate_as_eager(derive):
     torch.testing.assert_close(a.grad, grad_after_a, rtol=0, atol=0)
     torch.testing.assert_close(b.grad, b_ref.grad, rtol=0, atol=1e-12)
     torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=0, atol=1e-12)
+
+
+def test_a_submodule_switched_to_eval_alone_is_a_new_signature():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.5)).double()
+    graphed = capture_with(EagerRecorder(), block, (torch.randn(4, D, dtype=torch.float64),), on_mismatch="error")
+    x = torch.randn(4, D, dtype=torch.float64)
+    graphed(x)
+    block[1].eval()  # the top module still says training=True
+    with pytest.raises(GraphSignatureError, match="module.training"):
+        graphed(x)
+    block[1].train()
+    graphed(x)

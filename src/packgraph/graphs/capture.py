@@ -165,6 +165,8 @@ class GraphedCallable:
         self.fn = fn
         owner = getattr(fn, "__self__", None)
         self.module = fn if isinstance(fn, nn.Module) else owner if isinstance(owner, nn.Module) else None
+        # Every submodule's train/eval flag is static (a Dropout switched to eval alone changes the graph).
+        self._submodules = list(self.module.modules()) if self.module is not None else []
         self.group = group
         self.name = name or _name_of(fn)
         self.cache: GraphCache[Entry] = GraphCache(max_graphs=max_graphs, on_mismatch=on_mismatch, name=self.name)
@@ -204,8 +206,11 @@ class GraphedCallable:
     def signature(self, args: tuple, kwargs: dict) -> tuple[CallSignature, list]:
         """``(signature, dynamic inputs)`` of a call. Validates its PackedSeqParams (may raise)."""
         args_key, kwargs_key, dyn = flatten_call(args, kwargs, self.group.preparer, self._chain_of)
-        module = self.module
-        training = module.training if module is not None else None
+        training = None
+        if self._submodules:
+            flags = tuple(m.training for m in self._submodules)
+            # One bool when the whole module agrees (the usual case, and the readable one in error messages).
+            training = flags[0] if len(set(flags)) == 1 else flags
         return CallSignature(args_key, kwargs_key, training, autocast_state(self._device_type)), dyn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
