@@ -411,7 +411,10 @@ def capture(
             structural checks only. ``"sync"``: device-only params cost one device-to-host read per new params
             object (a stall of the host until the GPU catches up). ``"debug"``: ``"host"`` plus
             ``torch._assert_async`` checks recorded in the graph; a failing check is a device-side assert that
-            poisons the CUDA context (the process must restart). ``"off"``: no checks.
+            poisons the CUDA context (the process must restart). ``"off"``: no checks. Host offsets made stale
+            by an in-place write are not trusted. Checks run once per params object while its tensors' versions
+            hold; under ``torch.inference_mode`` tensors carry no version, so every call re-checks and re-buckets
+            (host work only): score under ``torch.no_grad()`` to avoid it.
         keep_mamba_fields: let ``total_tokens``/``seq_idx`` into the graph (and its signature).
         param_grads: ``"graph"`` (accumulate inside the backward graph) or ``"autograd"`` (see the module doc).
 
