@@ -141,6 +141,17 @@ def _dp_worker(rank: int, world: int, init_file: str) -> None:
             lin(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
         allreduce_gradients(lin)
         torch.testing.assert_close(lin.weight.grad, torch.ones(2, 2, dtype=torch.float64))
+
+        # A parameter no rank uses keeps .grad None, as single-process: AdamW must not decay or move it.
+        used, unused = nn.Linear(2, 2).double(), nn.Linear(2, 2).double()
+        opt = torch.optim.AdamW([*used.parameters(), *unused.parameters()], lr=0.1, weight_decay=0.1)
+        before = unused.weight.detach().clone()
+        used(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+        allreduce_gradients([*used.parameters(), *unused.parameters()])
+        assert unused.weight.grad is None and unused.bias.grad is None
+        assert used.weight.grad is not None
+        opt.step()
+        torch.testing.assert_close(unused.weight.detach(), before, rtol=0, atol=0)
     finally:
         dist.destroy_process_group()
 

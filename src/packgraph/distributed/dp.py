@@ -98,7 +98,10 @@ def allreduce_gradients(
     Gradients are flattened into buckets of at most ``bucket_cap_mb`` per dtype and device (one all-reduce each)
     and copied back into the existing ``.grad`` tensors (their storage is kept: a graph that accumulates into
     them stays valid). Parameters that require grad but have ``.grad is None`` on this rank get a zero gradient,
-    so every rank issues the same buckets (a mismatch would hang). Tied parameters are reduced once.
+    so every rank issues the same buckets (a mismatch would hang); a parameter no rank produced a gradient for
+    gets ``.grad = None`` back, as in single-process training (an optimizer skips it: no weight decay, no
+    momentum step). Finding those costs one all-reduce of a flag per parameter and one small device-to-host
+    read per call. Tied parameters are reduced once.
 
     Args:
         parameters: a module or its parameters, in the same order on every rank.
@@ -110,8 +113,16 @@ def allreduce_gradients(
     world = _world(group)
     if world == 1 and not average:
         return
-    for p in unique:
-        if p.grad is None:
+    if not unique:
+        return
+    had_grad = [p.grad is not None for p in unique]
+    used_anywhere = had_grad
+    if world > 1:
+        flags = torch.tensor(had_grad, dtype=torch.int32, device=unique[0].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        used_anywhere = [bool(f) for f in flags.tolist()]
+    for p, has in zip(unique, had_grad, strict=True):
+        if not has:
             p.grad = torch.zeros_like(p)
     cap = max(int(bucket_cap_mb * 2**20), 1)
     for bucket in _buckets([p.grad for p in unique], cap):
@@ -122,6 +133,9 @@ def allreduce_gradients(
             flat.div_(world)
         for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
             grad.copy_(reduced)
+    for p, used in zip(unique, used_anywhere, strict=True):
+        if not used:
+            p.grad = None
 
 
 def broadcast_parameters(module: nn.Module, *, src: int = 0, group: Any = None) -> None:
