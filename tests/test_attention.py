@@ -365,3 +365,12 @@ def test_flash_path_needs_varlen_attn(monkeypatch):
     params = make_params("plain")
     with pytest.raises(RuntimeError, match=r"torch >= 2\.10"):
         varlen_attention(*qkv(params.total_tokens, 2, 2, 8), params)
+
+
+def test_context_parallel_params_are_refused_not_attended_locally():
+    params = PackedSeqParams.from_seqlens([4, 4], total_tokens=8).replace(local_cp_size=2)
+    q = torch.randn(8, 2, 8, dtype=torch.float64)
+    with pytest.raises(PackedSeqParamsError) as e:
+        varlen_attention(q, q, q, params)
+    assert e.value.field == "local_cp_size" and "cp_varlen_attention" in str(e.value)
+    varlen_attention(q, q, q, params.replace(local_cp_size=1))  # a CP group of one is plain attention

@@ -96,6 +96,14 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams) -> N
         raise ValueError(f"varlen_attention: q/k/v devices differ: {q.device}, {k.device}, {v.device}")
     if params.qkv_format != "thd":
         raise PackedSeqParamsError("qkv_format", "varlen_attention needs 'thd'", f"got {params.qkv_format!r}")
+    if params.local_cp_size is not None and params.local_cp_size > 1:
+        # These rows are one rank's shard: attending among them alone would be silently wrong.
+        raise PackedSeqParamsError(
+            "local_cp_size",
+            "context-parallel params need the context-parallel attention",
+            f"local_cp_size={params.local_cp_size}; use packgraph.distributed.cp_varlen_attention, which gathers "
+            "K/V across cp_group",
+        )
     for which, rows in (("q", q.shape[0]), ("kv", k.shape[0])):
         name = f"cu_seqlens_{which}"
         cu = getattr(params, name)
