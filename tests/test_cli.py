@@ -157,6 +157,16 @@ def test_bad_paths_exit_2(tmp_path, capsys):
     log.write_text("{broken\n")
     code, _, err = run_cli(capsys, "plot-convergence", "--logs", str(log), "--out", str(tmp_path / "p.png"))
     assert code == 2 and "bad.jsonl:1: not JSON" in err
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
+    code, _, err = run_cli(capsys, "plot-convergence", "--logs", str(good), "--out", str(a_file / "p.png"))
+    assert code == 2 and "is a file, not a directory" in err and "Traceback" not in err
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(2)}, foreign)
+    out_dir = tmp_path / "never-made"
+    code, _, err = run_cli(capsys, "train", "--device", "cpu", "--resume", str(foreign), "--out-dir", str(out_dir))
+    assert code == 2 and "not a packgraph training checkpoint" in err and "Traceback" not in err
+    assert not out_dir.exists()  # a run that never started leaves no empty out dir behind
 
 
 def test_help_and_nproc_forwarding(capsys):

@@ -73,6 +73,33 @@ def test_resume_continues_the_same_loss_curve_bitwise(tmp_path):
     assert [r["step"] for r in read_log(resumed.log_path)] == list(range(6, 11))
 
 
+def test_resume_into_the_same_dir_logs_each_step_once(tmp_path):
+    train(tiny_cfg(tmp_path, "run", steps=6, checkpoint_every=3), echo=None)
+    resumed = train(
+        tiny_cfg(tmp_path, "run", steps=6, resume=str(tmp_path / "run" / "checkpoint-000003.pt")), echo=None
+    )
+    assert [r["step"] for r in read_log(resumed.log_path)] == list(range(1, 7))
+
+
+@pytest.mark.parametrize("change", [{"seed": 7}, {"T": 128}, {"max_docs": 10}, {"grad_accum": 2}])
+def test_resume_rejects_settings_that_change_the_data_order(tmp_path, change):
+    train(tiny_cfg(tmp_path, "a", steps=2), echo=None)
+    with pytest.raises(ValueError, match="cannot resume") as e:
+        train(tiny_cfg(tmp_path, "b", steps=4, resume=str(tmp_path / "a"), **change), echo=None)
+    assert next(iter(change)) in str(e.value)
+
+
+def test_resume_rejects_foreign_and_corrupt_checkpoints(tmp_path):
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(2)}, foreign)
+    with pytest.raises(ValueError, match="not a packgraph training checkpoint"):
+        train(tiny_cfg(tmp_path, "b", resume=str(foreign)), echo=None)
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_text("garbage\n")
+    with pytest.raises(ValueError, match="cannot read checkpoint"):
+        train(tiny_cfg(tmp_path, "c", resume=str(corrupt)), echo=None)
+
+
 def test_resume_rejects_a_different_model(tmp_path):
     train(tiny_cfg(tmp_path, "a", steps=2), echo=None)
     with pytest.raises(ValueError, match="different model"):

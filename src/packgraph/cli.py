@@ -204,10 +204,16 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     # Under torchrun (packgraph train --nproc N) only rank 0 writes and talks.
     main_rank = int(os.environ.get("RANK", "0")) == 0
+    existed = out_dir.exists()
     if main_rank:
         _make_dir(out_dir)
         print(f"out dir: {out_dir}")
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except (ValueError, FileNotFoundError) as e:  # a bad config, resume point or checkpoint: a user error
+        if main_rank and not existed and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise CLIError(str(e)) from None
     if not main_rank:
         return 0
     n = max(1, min(10, len(result.losses) // 5))
@@ -347,19 +353,19 @@ def _load_model(args: argparse.Namespace, device):
     import torch
 
     from packgraph.models.gpt import GPT, GPTConfig
-    from packgraph.train import _resolve_checkpoint
+    from packgraph.train import _resolve_checkpoint, load_checkpoint
 
     if args.checkpoint:
         try:
             path = _resolve_checkpoint(args.checkpoint)
-        except FileNotFoundError as e:
-            raise CLIError(str(e)) from None
-        try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=False)
+            ckpt = load_checkpoint(path)
             model = GPT(GPTConfig(**ckpt["model_config"]))
             model.load_state_dict(ckpt["model"])
+        except FileNotFoundError as e:
+            raise CLIError(str(e)) from None
         except Exception as e:  # a corrupt or foreign file is a user error here
-            raise CLIError(f"{path} is not a packgraph checkpoint ({type(e).__name__}: {e})") from None
+            reason = f"{type(e).__name__}: {e}"
+            raise CLIError(f"{args.checkpoint} is not a packgraph checkpoint ({reason})") from None
         if args.preset and args.preset != ckpt.get("train_config", {}).get("preset", args.preset):
             raise CLIError(f"--preset {args.preset} does not match the checkpoint's model")
         return model.to(device), str(path)
@@ -436,6 +442,9 @@ def cmd_plot_convergence(args: argparse.Namespace, argv: Sequence[str]) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise CLIError(f"--out {out} is a directory; give a .png file name")
+    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise CLIError(f"--out {out}: {blocking} is a file, not a directory")
     curves = {n: [(int(r["step"]), float(r["loss"])) for r in rows] for n, rows in logs.items()}
     png = plot_losses(curves, out, echo=print, beta=args.ema)
     out.with_suffix(".json").parent.mkdir(parents=True, exist_ok=True)

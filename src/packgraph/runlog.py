@@ -19,8 +19,9 @@ __all__ = ["read_log", "ema", "throughput", "convergence_report", "plot_losses"]
 def throughput(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
     """``(steady, overall)`` real tokens per second of logged steps.
 
-    Steady leaves out the first ``min(10, n // 5)`` steps (allocator and kernel warm-up) and every step that
-    captured graphs (its ``captures`` count rose): capture is a one-off cost per bucket, not the training rate.
+    Steady leaves out the first ``min(10, n // 5)`` steps (allocator and kernel warm-up) and every later step
+    that captured graphs (its ``captures`` count rose): capture is a one-off cost per bucket, not the training
+    rate. The first row has no predecessor to compare with, so with fewer than 5 rows it always counts.
     Overall counts every step.
     """
 

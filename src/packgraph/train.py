@@ -269,6 +269,60 @@ def _resolve_checkpoint(path: str | os.PathLike) -> Path:
     return p
 
 
+_CHECKPOINT_KEYS = ("model_config", "model", "optimizer", "scheduler", "data", "step", "rng")
+# What decides the data order and the batches: resuming with any of these changed would continue another run.
+_RESUME_MUST_MATCH = (
+    "seed", "T", "grad_accum", "max_docs", "chunk_len", "min_chunk_len", "pad_to_multiple", "algorithm",
+    "max_seqlen_ladder", "capacity_ladder",
+)  # fmt: skip
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A training checkpoint (a file, or a run dir holding ``checkpoint.pt``), loaded on the CPU.
+
+    Raises:
+        FileNotFoundError: nothing there.
+        ValueError: unreadable, or not a packgraph training checkpoint (names the missing keys).
+    """
+    file = _resolve_checkpoint(path)
+    try:
+        ckpt = torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as e:  # a corrupt or foreign file
+        raise ValueError(f"cannot read checkpoint {file}: {type(e).__name__}: {e}") from None
+    missing = [k for k in _CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise ValueError(f"{file} is not a packgraph training checkpoint (missing: {', '.join(missing)})")
+    return ckpt
+
+
+def _check_resumable(ckpt: dict[str, Any], cfg: TrainConfig) -> None:
+    saved = ckpt.get("train_config") or {}
+    now = dataclasses.asdict(cfg)
+
+    def norm(v: Any) -> Any:
+        return list(v) if isinstance(v, (list, tuple)) else v
+
+    changed = [
+        f"{k}: checkpoint {saved[k]!r}, now {now[k]!r}"
+        for k in _RESUME_MUST_MATCH
+        if k in saved and norm(saved[k]) != norm(now[k])
+    ]
+    if changed:
+        raise ValueError(
+            "cannot resume: these settings decide the data order and differ from the checkpoint's run ("
+            + "; ".join(changed)
+            + "). Resume with the same values, or start a new run."
+        )
+
+
+def _truncate_log(path: Path, last_step: int) -> None:
+    """Drop logged steps after ``last_step``, so a resumed run does not log them twice."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
 def default_out_dir(command: str) -> Path:
     """``./runs/<command>-<timestamp>``, made unique with a suffix when it already exists."""
     base = Path("runs") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -336,7 +390,9 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] | None = print) -> Tr
     graphs = device.type == "cuda" if cfg.graphs is None else cfg.graphs
     if graphs and device.type != "cuda":
         raise ValueError("CUDA graphs need a CUDA device; run with --no-graphs (eager) or on a GPU")
-    ckpt = torch.load(_resolve_checkpoint(cfg.resume), map_location="cpu", weights_only=False) if cfg.resume else None
+    ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
+    if ckpt is not None:
+        _check_resumable(ckpt, cfg)
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir("train")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"out dir {out_dir} exists and is not a directory")
@@ -399,6 +455,8 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] | None = print) -> Tr
     t_run = time.perf_counter()
     model.train()
     slots = cfg.T * cfg.grad_accum * world
+    if ckpt is not None and rank == 0:
+        _truncate_log(log_path, start)
     with log_path.open("a" if ckpt is not None else "w") if rank == 0 else contextlib.nullcontext() as log:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
