@@ -127,8 +127,9 @@ def megatron_rl_bin_params(
     ``cu_seqlens_q``/``_kv`` hold the real lengths (the trailing pseudo-sequence keeps its full size); the padded
     twins hold the aligned layout and are present only when alignment moved a sequence (as in Megatron, which
     leaves them ``None`` for back-to-back bins so Transformer Engine takes no padded path). ``max_seqlen_q/kv`` are
-    ``bin_size`` and ``total_tokens`` is ``bin_size``. An empty bin gives one pseudo-sequence spanning the bin, the
-    same shape as Megatron's ``get_default_packed_seq_params``.
+    ``bin_size`` and ``total_tokens`` is ``bin_size``. An empty bin gives one pseudo-sequence spanning the bin: the
+    same values as Megatron's ``get_default_packed_seq_params`` (``[0, bin_size]``), edge-padded to this
+    function's fixed ``max_sequences_per_bin + 2`` offsets.
 
     Example: lengths ``[7, 5]``, ``bin_size=16``, ``max_sequences_per_bin=4`` give ``[0, 7, 12, 16, 16, 16]``;
     with ``seq_length_multiple=4`` and ``bin_size=24``: padded ``[0, 8, 16, 24, 24, 24]``, real
