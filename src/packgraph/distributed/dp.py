@@ -141,7 +141,8 @@ def allreduce_gradients(
 def broadcast_parameters(module: nn.Module, *, src: int = 0, group: Any = None) -> None:
     """Copy ``src``'s parameters and buffers to every rank of ``group`` (identical starting weights).
 
-    ``src`` is a global rank. One broadcast per tensor: parameters, then buffers, in module order (the same on every rank).
+    ``src`` is a global rank. One broadcast per tensor: parameters, then buffers, in module order (the same on
+    every rank).
     """
     if _world(group) == 1:
         return
