@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from packgraph.cli import _without_nproc, main
+from packgraph.cli import main
 from packgraph.data.stream import DataStream, corpus_documents
+from packgraph.distributed.launch import torchrun_command
 from packgraph.models.gpt import GPT, GPTConfig
 from packgraph.score import score
 from packgraph.train import TrainConfig
@@ -176,8 +177,11 @@ def test_help_and_nproc_forwarding(capsys):
         assert command in out
     code, out, _ = run_cli(capsys, "train", "--help")
     assert code == 0 and "--nproc" in out and "--max-seqlen-ladder" in out and "--no-graphs" in out
-    assert _without_nproc(["--steps", "5", "--nproc", "2", "--seed", "1"]) == ["--steps", "5", "--seed", "1"]
-    assert _without_nproc(["--nproc=4", "--T", "64"]) == ["--T", "64"]
+    # what `packgraph train --nproc N ...` hands to torchrun: the options without --nproc
+    forwarded = torchrun_command(2, ["--steps", "5", "--nproc", "2", "--seed", "1"])
+    assert forwarded[-4:] == ["--steps", "5", "--seed", "1"] and "--nproc" not in forwarded
+    forwarded = torchrun_command(4, ["--nproc=4", "--T", "64"])
+    assert forwarded[-2:] == ["--T", "64"] and not any(a.startswith("--nproc=") for a in forwarded)
 
 
 def test_train_nproc_2_equals_one_process_with_2_micro_batches(tmp_path):

@@ -175,7 +175,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.nproc > 1:
         from packgraph.distributed import launch  # lazily: the single-process path needs no torch.distributed
 
-        return int(launch(args.nproc, _without_nproc(argv)) or 0)
+        # launch's torchrun command drops --nproc itself: the children must not launch again.
+        return int(launch(args.nproc, argv) or 0)
     device = _device(args.device)
     graphs = _check_graphs(args.graphs, device)
     if args.resume:
@@ -230,18 +231,6 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if result.plot_path:
         print(f"plot: {result.plot_path}")
     return 0
-
-
-def _without_nproc(argv: Sequence[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
