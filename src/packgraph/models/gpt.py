@@ -203,6 +203,16 @@ def _unpack(
     return tokens, packed_seq_params, labels, loss_mask
 
 
+def _unpack_for_logprobs(
+    batch: PackedBatch | Tensor, packed_seq_params: PackedSeqParams | None, labels: Tensor | None
+) -> tuple[Tensor, PackedSeqParams, Tensor]:
+    """``(tokens, params, labels)`` for ``token_logprobs``, which needs labels."""
+    tokens, params, labels, _ = _unpack(batch, packed_seq_params, labels, None)
+    if labels is None:
+        raise ValueError("token_logprobs needs labels (pass a PackedBatch or labels=)")
+    return tokens, params, labels
+
+
 def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -286,9 +296,7 @@ class GPT(nn.Module):
         labels: Tensor | None = None,
     ) -> Tensor:
         """float32 ``[T]``: ``log p(labels[r] | tokens of its document up to r)``; 0 where ``labels == -100``."""
-        tokens, params, labels, _ = _unpack(batch, packed_seq_params, labels, None)
-        if labels is None:
-            raise ValueError("token_logprobs needs labels (pass a PackedBatch or labels=)")
+        tokens, params, labels = _unpack_for_logprobs(batch, packed_seq_params, labels)
         return logprobs_of_labels(self.logits_from_hidden(self.forward_hidden(tokens, params)), labels)
 
     def graphed(
@@ -545,9 +553,7 @@ class GraphedGPT(nn.Module):
         labels: Tensor | None = None,
     ) -> Tensor:
         """Same contract as :meth:`GPT.token_logprobs`, through the graphs (use ``forward_only=True``)."""
-        tokens, params, labels, _ = _unpack(batch, packed_seq_params, labels, None)
-        if labels is None:
-            raise ValueError("token_logprobs needs labels (pass a PackedBatch or labels=)")
+        tokens, params, labels = _unpack_for_logprobs(batch, packed_seq_params, labels)
         if self.scope == "model":
             if not self.forward_only:
                 raise RuntimeError("scope 'model' logprobs need a forward_only=True wrapper")
