@@ -12,6 +12,7 @@ import torch
 
 class EagerRecorder:
     device_type = "cpu"
+    records_by_running = True  # replay re-runs the recorded body on the same autograd graph: the engine keeps it
 
     def check_input(self, t):
         pass
@@ -20,7 +21,10 @@ class EagerRecorder:
         for _ in range(iters):
             run()
 
-    def record(self, body):
+    def new_pool(self):
+        return object()  # a distinct pool token: the engine keeps graphs of different pools apart
+
+    def record(self, body, pool=None):
         results = body()
         return EagerReplay(body, results), results
 

@@ -57,8 +57,11 @@ def test_demo_runs_end_to_end_within_budget(tmp_path):
 def test_train_then_score_then_plot(tmp_path, capsys):
     run = tmp_path / "run"
     common = ["--device", "cpu", "--T", "128", "--max-docs", "3", "--seed", "2"]
-    code, out, err = run_cli(capsys, "train", "--steps", "4", "--no-progress", "--out-dir", str(run), *common)
+    code, out, err = run_cli(
+        capsys, "train", "--steps", "4", "--no-progress", "--deterministic", "--out-dir", str(run), *common
+    )
     assert code == 0, err
+    assert json.loads((run / "config.json").read_text())["deterministic"] is True
     assert "final loss" in out and "tokens/s" in out and str(run) in out
     rows = [json.loads(line) for line in (run / "train.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

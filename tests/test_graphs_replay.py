@@ -21,6 +21,7 @@ import packgraph.graphs as graphs
 from packgraph.buckets import default_buckets
 from packgraph.graphs import GraphSignatureError
 from packgraph.graphs.capture import capture_layers_with, capture_with
+from packgraph.graphs.entry import Entry, GraphOrderError
 from packgraph.models.gpt import Block, GPTConfig
 from packgraph.ops import varlen_attention
 from packgraph.params import PackedSeqParams, PackedSeqParamsError
@@ -42,7 +43,7 @@ class NullRecorder(EagerRecorder):
     def warmup(self, run, iters):
         run()
 
-    def record(self, body):
+    def record(self, body, pool=None):
         return NullGraph(), body()
 
 
@@ -417,6 +418,46 @@ def test_capture_layers_chain_matches_eager_without_copies():
     assert [g.captures for g in graphed] == [1, 1, 1]
 
 
+def test_recaptured_stack_records_graphs_in_run_order_and_chains_grads(monkeypatch):
+    """A signature first met at call time: each layer's forward is captured at its call and its backward at its
+    first backward, so the stack's graphs are recorded in the order they run (a backward captured at forward time
+    could put its temporaries under the next layer's static output, which it would then overwrite)."""
+    layers = _stack()
+    graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), _params([10, 0, 20, 5])))
+    names = {id(g): k for k, g in enumerate(graphed)}
+    order = []
+    fwd, bwd = Entry.capture_forward, Entry.capture_backward
+
+    def log_fwd(self):
+        order.append(("fwd", names[id(self.owner)]))
+        fwd(self)
+
+    def log_bwd(self, given=None):
+        order.append(("bwd", names[id(self.owner)]))
+        bwd(self, given)
+
+    monkeypatch.setattr(Entry, "capture_forward", log_fwd)
+    monkeypatch.setattr(Entry, "capture_backward", log_bwd)
+    q = _params([6, 6, 6], pad=2)  # padded offsets: a new signature
+    layers.zero_grad(set_to_none=True)
+    x = _x(3)
+    out = _run_stack(graphed, x, q)
+    assert order == [("fwd", 0), ("fwd", 1), ("fwd", 2)]
+    out.pow(2).sum().backward()
+    assert order[3:] == [("bwd", 2), ("bwd", 1), ("bwd", 0)]
+    got = (out.detach().clone(), x.grad, [w.grad.clone() for w in layers.parameters()])
+    new = [g.cache.values()[-1] for g in graphed]
+    for prev, nxt in zip(new, new[1:], strict=False):
+        assert nxt.static_inputs[0].data_ptr() == prev.static_outputs[0].data_ptr()
+        assert prev.static_grad_outputs[0] is nxt.static_grad_inputs[0]
+    layers.zero_grad(set_to_none=True)
+    xr = _x(3)
+    ref = _run_stack(layers, xr, q)
+    ref.pow(2).sum().backward()
+    _assert_same(got, (ref.detach(), xr.grad, [w.grad for w in layers.parameters()]))
+    assert [g.captures for g in graphed] == [2, 2, 2]
+
+
 def test_capture_layers_copies_only_what_changed():
     layers = _stack()
     p = _params([10, 20])
@@ -500,12 +541,56 @@ def test_second_forward_before_backward_warns(caplog):
     block = _model()
     p = _params([10, 20])
     graphed = capture_with(EagerRecorder(), block, (_x(0), p))
-    graphed(_x(1), p)
+    first = graphed(_x(1), p)  # noqa: F841 (kept alive: its backward could still run)
     with caplog.at_level(logging.WARNING, logger="packgraph.graphs"):
         graphed(_x(2), p)
     assert any("before the previous replay's backward" in r.getMessage() for r in caplog.records)
     with torch.no_grad():
         graphed(_x(3), p)  # no autograd, nothing in flight: no new warning needed
+
+
+def _weighted_sum(out):
+    return (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum()
+
+
+def test_replay_that_would_overwrite_an_unfinished_forward_raises():
+    """Signatures share activation memory: a forward of B while A's backward is pending could overwrite A's saved
+    activations, so it raises; once A's graph is dropped (its backward can no longer run) B replays."""
+    block = _model()
+    pa, pb = _params([10, 20]), _params([30, 4], pad=2)
+    graphed = capture_with(EagerRecorder(), block, (_x(0), pa))
+    for p in (pa, pb):  # B is captured after A's backward: it may reuse A's activation memory
+        _weighted_sum(graphed(_x(1), p)).backward()
+    out_a = graphed(_x(2), pa)
+    with pytest.raises(GraphOrderError, match="backward has not"):
+        graphed(_x(3), pb)
+    with torch.no_grad():
+        with pytest.raises(GraphOrderError):
+            graphed(_x(3), pb)  # a no-grad replay overwrites just the same
+    del out_a
+    got = _graphed_grads(block, graphed, _x(3), pb)
+    _assert_same(got, _eager_grads(block, _x(3), pb))
+
+
+def test_without_shared_activations_nested_forwards_of_two_signatures_work():
+    block = _model()
+    pa, pb = _params([10, 20]), _params([30, 4], pad=2)
+    graphed = capture_with(EagerRecorder(), block, (_x(0), pa), share_activations=False)
+    _weighted_sum(graphed(_x(1), pb)).backward()  # B captured (its backward at first use)
+    block.zero_grad(set_to_none=True)
+    xa, xb = _x(2), _x(3)
+    out_a = graphed(xa, pa)
+    out_b = graphed(xb, pb)
+    _weighted_sum(out_b).backward()
+    _weighted_sum(out_a).backward()
+    got = [w.grad.clone() for w in block.parameters()]
+    block.zero_grad(set_to_none=True)
+    xa2, xb2 = _x(2), _x(3)
+    (_weighted_sum(block(xa2, pa)) + _weighted_sum(block(xb2, pb))).backward()
+    for g, r in zip(got, [w.grad for w in block.parameters()], strict=True):
+        torch.testing.assert_close(g, r)
+    torch.testing.assert_close(xa.grad, xa2.grad)
+    torch.testing.assert_close(xb.grad, xb2.grad)
 
 
 def test_without_cuda_capture_raises(monkeypatch):

@@ -245,3 +245,18 @@ def test_ema_and_convergence_report(tmp_path):
         read_log(bad)
     with pytest.raises(FileNotFoundError):
         read_log(tmp_path / "missing.jsonl")
+
+
+def test_deterministic_kernels_mode_is_set_inside_and_restored_after():
+    from packgraph.train import deterministic_kernels
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    with deterministic_kernels(True):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # warn-only keeps FA's atomics
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(RuntimeError, match="boom"), deterministic_kernels(True):
+        raise RuntimeError("boom")
+    assert not torch.are_deterministic_algorithms_enabled()
+    with deterministic_kernels(False):
+        assert not torch.are_deterministic_algorithms_enabled()

@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-every", type=int, default=0, help="also keep checkpoint-<step>.pt every N steps")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--no-plot", action="store_true", help="no loss.png")
+    train.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels only (bitwise reproducible runs; eager and graphed give the same losses)",
+    )
     train.add_argument("--nproc", type=_positive_int, default=1, help="processes (GPUs) for data parallel")
 
     score = sub.add_parser("score", help="per-token logprobs of packed batches, graphed vs eager")
@@ -197,6 +202,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         checkpoint_every=args.checkpoint_every,
         progress=not args.no_progress,
         plot=not args.no_plot,
+        deterministic=args.deterministic,
     )
     if args.lr is not None:
         overrides["lr"] = args.lr

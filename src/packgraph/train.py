@@ -23,7 +23,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,7 @@ class TrainConfig:
     save_checkpoint: bool = True
     progress: bool = True
     plot: bool = True
+    deterministic: bool = False
 
     def validate(self) -> TrainConfig:
         def need(ok: bool, msg: str) -> None:
@@ -378,13 +379,43 @@ def accumulate_gradients(
     return step_loss
 
 
+@contextlib.contextmanager
+def deterministic_kernels(enabled: bool) -> Iterator[None]:
+    """Within the block, kernels are bitwise reproducible (``torch.use_deterministic_algorithms(True)``).
+
+    This matters on CUDA: FlashAttention's backward then accumulates ``dq`` without atomics, and cuBLAS gets a fixed
+    workspace (``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set; read when a cuBLAS handle is created, so set it
+    before the process's first matmul for a guarantee). An op with no deterministic kernel raises. The previous
+    mode is restored on exit.
+    """
+    if not enabled:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def train(cfg: TrainConfig, *, echo: Callable[[str], None] | None = print) -> TrainResult:
     """Run ``cfg``; see the module docstring for the step and the artefacts.
+
+    With ``cfg.deterministic`` every kernel is deterministic (:func:`deterministic_kernels`): two runs of one
+    config give the same losses bit for bit, and so do eager and graphed runs (the graphs replay the same kernels
+    on the same data).
 
     Raises:
         ValueError: bad config (including graphs requested without CUDA).
         FileNotFoundError: ``resume`` names no checkpoint.
     """
+    with deterministic_kernels(cfg.deterministic):
+        return _train(cfg, echo=echo)
+
+
+def _train(cfg: TrainConfig, *, echo: Callable[[str], None] | None) -> TrainResult:
     cfg.validate()
     device = resolve_device(cfg.device)
     graphs = device.type == "cuda" if cfg.graphs is None else cfg.graphs

@@ -2,11 +2,13 @@
 
 * :func:`capture` one callable; :func:`capture_layers` a layer stack into one memory pool.
 * :class:`GraphSignatureError`: a call does not match its graph's static signature (``on_mismatch="error"``).
+* :class:`GraphOrderError`: a replay would overwrite a graph whose backward has not run yet (shared activations).
 * :func:`find_host_syncs` / :class:`HostSync`: what stops a callable from being captured, line by line.
 """
 
 from packgraph.graphs.cache import GraphSignatureError
 from packgraph.graphs.capture import GraphedCallable, capture, capture_layers
+from packgraph.graphs.entry import GraphOrderError
 from packgraph.graphs.safety import GraphCaptureError, HostSync, find_host_syncs
 
 __all__ = [
@@ -14,6 +16,7 @@ __all__ = [
     "capture_layers",
     "GraphedCallable",
     "GraphSignatureError",
+    "GraphOrderError",
     "GraphCaptureError",
     "find_host_syncs",
     "HostSync",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
@@ -156,13 +157,19 @@ class OutputRegistry:
     """
 
     def __init__(self) -> None:
-        self._by_ptr: dict[int, tuple[int, int]] = {}
+        self._by_ptr: dict[int, tuple[int, int, Any]] = {}
         self._tokens = itertools.count(1)
 
-    def register(self, tensor: Tensor, owner: int) -> int:
+    def register(self, tensor: Tensor, owner: int, producer: Any = None) -> int:
+        """Register ``tensor`` (a static output of ``owner``'s graph ``producer``); return its token."""
         token = next(self._tokens)
-        self._by_ptr[tensor.data_ptr()] = (token, owner)
+        self._by_ptr[tensor.data_ptr()] = (token, owner, None if producer is None else weakref.ref(producer))
         return token
+
+    def producer(self, tensor: Tensor) -> Any:
+        """The live object registered with the output ``tensor`` starts at, else None."""
+        hit = self._by_ptr.get(tensor.data_ptr())
+        return None if hit is None or hit[2] is None else hit[2]()
 
     def unregister(self, tensor: Tensor, token: int) -> None:
         ptr = tensor.data_ptr()
@@ -189,6 +196,10 @@ class CaptureGroup:
             owns the memory pool and the side stream; ``device_type`` names the autocast device.
         preparer: the :class:`~packgraph.graphs.signature.ParamsPreparer` (validation, buckets).
         chain: let a graph read another graph's static output in place (layer stacks).
+
+    ``next_seq()`` numbers the group's captures in order; ``in_flight`` holds the entries whose forward replayed and
+    whose backward has not run yet (see :mod:`packgraph.graphs.entry` for why both matter when activation memory
+    is shared).
     """
 
     def __init__(self, recorder: Any, preparer: ParamsPreparer, *, chain: bool = False) -> None:
@@ -196,3 +207,8 @@ class CaptureGroup:
         self.preparer = preparer
         self.chain = chain
         self.outputs = OutputRegistry() if chain else None
+        self._seq = itertools.count(1)
+        self.in_flight: dict[int, Any] = {}
+
+    def next_seq(self) -> int:
+        return next(self._seq)

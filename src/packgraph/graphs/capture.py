@@ -14,8 +14,9 @@
 Contract and limits (read these):
 
 * **Outputs alias static memory.** A returned tensor is a view of the graph's static output: the next replay of
-  the same graph overwrites it. One forward per graph may be in flight: run its backward (or use
-  ``torch.no_grad()``) before the next forward of the same signature (a warning says when this is broken).
+  the same graph overwrites it, and so may a replay of another signature's graphs (see Memory). One forward per
+  graph may be in flight: run its backward (or use ``torch.no_grad()``) before the next forward of the same
+  signature (a warning says when this is broken).
 * **Parameter grads** (``param_grads="graph"``, the default) are accumulated *inside* the backward graph into one
   persistent buffer per parameter, which becomes ``p.grad``: replays sum up like eager micro-batches, with no
   per-parameter device work outside the graph (one identity check per parameter on the host). After
@@ -28,11 +29,15 @@ Contract and limits (read these):
   ``load_state_dict`` are fine; ``module.to(dtype)`` or re-assigning a parameter needs a new capture), and their
   ``requires_grad`` must not change after capture.
 * **Memory.** Everything captured together (one :func:`capture`, one :func:`capture_layers` stack, and their
-  recaptures) shares one pool; warm-up runs on a side stream. What outlives a replay (activations saved for
-  backward, static outputs, input grads) stays allocated for the graph's lifetime; only temporaries are shared.
-  A later capture may place its saved activations where an earlier graph keeps temporaries, so the graphs of one
-  pool must replay as a model runs them: each forward's backward before another forward of the same stack, on
-  one stream. Give graphs that run in between (an eval graph between a forward and its backward) their own pool.
+  recaptures) shares one pool; warm-up runs on a side stream. Static outputs and input grads stay allocated for
+  the graph's lifetime. Temporaries, and (``share_activations=True``, the default) the activations a forward saves
+  for its backward, go back to the pool after capture, where later captures reuse them: the graph sets of several
+  buckets hold about one set of activations, not one each. So the graphs of one pool must replay as a model runs
+  them: each forward's backward before the forward of another signature, on one stream. A replay that would
+  overwrite a graph whose forward ran and whose backward has not raises ``GraphOrderError`` (tracked per capture
+  group; captures that share a pool through ``pool=`` are not checked against each other). A signature first met
+  at call time has its forward captured at that call and its backward at its first backward, so captures follow
+  the order the graphs run in.
 * **RNG.** Dropout draws fresh masks at every replay (torch registers the default CUDA generator with each
   capture and advances its offset per replay); the backward graph reads the masks the forward saved. Other
   generators must be registered by the caller (``CUDAGraph.register_generator_state``).
@@ -48,7 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +62,7 @@ from torch import Tensor, nn
 
 from packgraph.graphs import safety
 from packgraph.graphs.cache import CaptureGroup, GraphCache, logger
-from packgraph.graphs.entry import PARAM_GRAD_MODES, Entry
+from packgraph.graphs.entry import PARAM_GRAD_MODES, Entry, explained_capture_errors
 from packgraph.graphs.signature import (
     CallSignature,
     ParamsPreparer,
@@ -95,17 +100,23 @@ class CudaRecorder:
                 run()
         torch.cuda.synchronize(self.device)
 
-    def record(self, body: Callable[[], list]) -> tuple[Any, list]:
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def record(self, body: Callable[[], list], pool: Any = None) -> tuple[Any, list]:
         graph = torch.cuda.CUDAGraph()
+        pool = self.pool if pool is None else pool
         previous = torch.cuda.current_stream(self.device)
         try:
             with (
-                torch.cuda.graph(graph, pool=self.pool, stream=self.stream, **safety.CAPTURE_KWARGS),
+                torch.cuda.graph(
+                    graph, pool=self.pool if pool is None else pool, stream=self.stream, **safety.CAPTURE_KWARGS
+                ),
                 _without_donated_buffers(),
             ):
                 results = body()
         except BaseException:
-            safety.recover_after_failed_capture(previous, self.device, self.pool)
+            safety.recover_after_failed_capture(previous, self.device, pool)
             raise
         return graph, results
 
@@ -114,8 +125,9 @@ def _without_donated_buffers() -> contextlib.AbstractContextManager:
     """A torch.compile'd callable compiled in here keeps its saved activations for a retained backward.
 
     By default AOTAutograd donates saved activations to the backward, which then refuses ``retain_graph=True``
-    ("compiled with non-empty donated buffers"); the engine's backward retains them (see ``entry.py``), so a
-    compiled layer is compiled, during warm-up, without donation.
+    ("compiled with non-empty donated buffers"); the engine retains the backward's graph when activations are not
+    shared (``share_activations=False``, see ``entry.py``), so a compiled layer is compiled, during warm-up, without
+    donation.
     """
     try:
         import torch._functorch.config as config
@@ -156,6 +168,7 @@ class GraphedCallable:
         forward_only: bool = False,
         validate: str = "host",
         param_grads: str = "graph",
+        share_activations: bool = True,
         name: str | None = None,
     ) -> None:
         if param_grads not in PARAM_GRAD_MODES:
@@ -174,6 +187,7 @@ class GraphedCallable:
         self.forward_only = forward_only
         self.debug = validate == "debug"
         self.param_grads = param_grads
+        self.share_activations = share_activations
         params = {id(p): p for p in self.module.parameters()} if self.module is not None else {}
         self.trainable_params = [p for p in params.values() if p.requires_grad] if not forward_only else []
         self.anchor = None
@@ -222,7 +236,9 @@ class GraphedCallable:
 
     def _recapture(self, key: CallSignature, args: tuple, kwargs: dict) -> Entry:
         self.cache.check_new(key)
-        (entry,) = _capture_stack([self], args, kwargs)
+        # The backward waits for its first use: captures then follow the order the graphs run in (see
+        # Entry.capture_backward_late), and a forward-only use never captures one.
+        (entry,) = _capture_stack([self], args, kwargs, backward=False)
         if self.group.chain and not entry.chained and not self._warned_unchained:
             if any(e.chained for e in self.cache.values()):
                 self._warned_unchained = True
@@ -248,7 +264,7 @@ class GraphedCallable:
                 ", ".join(opaque),
                 "is" if len(opaque) == 1 else "are",
             )
-        kind = "fwd+bwd" if entry.bwd_graph is not None else "fwd"
+        kind = "fwd+bwd" if entry.bwd_graph is not None else "fwd, bwd at first use" if entry.trains else "fwd"
         for old in self.cache.insert(entry.key, entry, seconds=entry.capture_seconds, kind=kind):
             old.release()
 
@@ -262,11 +278,13 @@ def _name_of(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
-def _capture_stack(graphed: Sequence[GraphedCallable], args: tuple, kwargs: dict) -> list[Entry]:
+def _capture_stack(
+    graphed: Sequence[GraphedCallable], args: tuple, kwargs: dict, *, backward: bool = True
+) -> list[Entry]:
     """Capture ``x = g(x, *args[1:], **kwargs)`` for each ``g`` in turn: forwards in order, then backwards in
     reverse (the order a model runs them). One callable is the plain single capture. In a chained group each
     layer reads the previous layer's static output in place, and each backward reads the next layer's input-grad
-    buffer as its output grad."""
+    buffer as its output grad. ``backward=False`` leaves each backward graph to be captured at its first use."""
     entries: list[Entry] = []
     started = []
     for k, g in enumerate(graphed):
@@ -282,14 +300,14 @@ def _capture_stack(graphed: Sequence[GraphedCallable], args: tuple, kwargs: dict
         started.append(time.perf_counter())
         key, dyn = g.signature(args, kwargs)
         entry = Entry(g, key, args, kwargs, dyn)
-        with _explained_capture_errors(entry):
+        with explained_capture_errors(entry):
             entry.warm_up()
             entry.capture_forward()
         if k + 1 < len(graphed):
             entry.fwd_graph.replay()  # real values in the output the next layer warms up on
         entry.capture_seconds = time.perf_counter() - started[-1]
         entries.append(entry)
-    for k in reversed(range(len(entries))):
+    for k in reversed(range(len(entries)) if backward else ()):
         t0 = time.perf_counter()
         entry = entries[k]
         given = {}
@@ -297,22 +315,10 @@ def _capture_stack(graphed: Sequence[GraphedCallable], args: tuple, kwargs: dict
             chained_grad = entries[k + 1].grad_input_buffer(0)
             if chained_grad is not None:
                 given[0] = chained_grad
-        with _explained_capture_errors(entry):
+        with explained_capture_errors(entry):
             entry.capture_backward(given)
         entry.capture_seconds += time.perf_counter() - t0
     return entries
-
-
-@contextlib.contextmanager
-def _explained_capture_errors(entry: Entry) -> Iterator[None]:
-    try:
-        yield
-    except Exception as exc:
-        if not safety.is_capture_error(exc):
-            raise
-        raise safety.explain_capture_failure(
-            exc, entry.owner.fn, entry.static_args, entry.static_kwargs, name=entry.owner.name
-        ) from exc
 
 
 def _make_group(recorder: Any, *, validate: str, buckets: Any, keep_mamba_fields: bool, chain: bool) -> CaptureGroup:
@@ -342,8 +348,12 @@ def capture_with(
     * ``device_type``: the autocast device type of the signature (``"cuda"``);
     * ``check_input(tensor)``: raise if a dynamic input cannot be a graph input (wrong device);
     * ``warmup(run, iters)``: call ``run()`` ``iters`` times, eagerly (CUDA: on the side stream);
-    * ``record(body) -> (graph, results)``: capture ``body()`` (which returns a list of tensors, the graph's static
-      results) and return an object whose ``replay()`` re-runs the recorded work, writing into ``results``.
+    * ``record(body, pool=None) -> (graph, results)``: capture ``body()`` (which returns a list of tensors, the
+      graph's static results) into the recorder's pool, or ``pool``, and return an object whose ``replay()`` re-runs
+      the recorded work, writing into ``results``;
+    * optional ``new_pool()``: a fresh memory pool (for a capture that must not reuse the shared pool's memory);
+    * optional ``records_by_running = True``: ``record`` runs the body (a stand-in), so the engine keeps the
+      autograd graph a backward body consumes.
     """
     group = _make_group(recorder, validate=validate, buckets=buckets, keep_mamba_fields=keep_mamba_fields, chain=False)
     graphed = GraphedCallable(fn_or_module, group, validate=validate, **options)
@@ -393,6 +403,7 @@ def capture(
     validate: str = "host",
     keep_mamba_fields: bool = False,
     param_grads: str = "graph",
+    share_activations: bool = True,
 ) -> GraphedCallable:
     """Capture ``fn_or_module`` into CUDA graphs (forward, and backward unless ``forward_only``).
 
@@ -417,6 +428,10 @@ def capture(
             (host work only): score under ``torch.no_grad()`` to avoid it.
         keep_mamba_fields: let ``total_tokens``/``seq_idx`` into the graph (and its signature).
         param_grads: ``"graph"`` (accumulate inside the backward graph) or ``"autograd"`` (see the module doc).
+        share_activations: let the graphs of every signature share one set of saved activations (memory of one
+            graph set, however many buckets). Replays must then follow the model's order; a replay that would
+            overwrite an unfinished forward raises :class:`~packgraph.graphs.entry.GraphOrderError`. ``False``
+            keeps each signature's activations apart.
 
     Returns:
         a :class:`GraphedCallable`.
@@ -439,6 +454,7 @@ def capture(
         validate=validate,
         keep_mamba_fields=keep_mamba_fields,
         param_grads=param_grads,
+        share_activations=share_activations,
     )
 
 

@@ -10,11 +10,24 @@ parameter (shared by every graph that trains it). Before a replay, a parameter w
 handled on the host: ``None`` (after ``zero_grad(set_to_none=True)``) zeroes the buffer and makes it ``.grad`` after the
 replay; a tensor the caller assigned gets the buffer added to it. In the steady state (``.grad`` is the buffer) a
 replay costs one identity check per parameter on the host and no device work beyond the graph.
+
+Memory and replay order. All graphs of a group share one memory pool. Whatever a capture frees goes back to the
+pool, where a later capture may place its own tensors: temporaries are always freed at the end of their capture,
+and with ``share_activations`` (the default) so are the activations a forward saves for its backward, once the
+backward graph is recorded. Graph sets of several signatures (buckets) then hold one set of activations between
+them instead of one each. The price is an order rule: replaying a graph recorded at capture number ``s`` may
+overwrite (a) anything captured after ``s`` and (b) activations freed before ``s``. Neither matters when a model
+runs as it is captured (each forward's backward before the next step's forwards), but it would silently corrupt
+a graph whose forward replayed and whose backward has not run yet. The group tracks those entries
+(``in_flight``) and :func:`check_replay_order` raises :class:`GraphOrderError` before such a replay.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import time
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from packgraph.graphs import safety
 from packgraph.graphs.cache import logger
 from packgraph.graphs.signature import (
     CallSignature,
@@ -37,9 +51,14 @@ from packgraph.graphs.signature import (
 if TYPE_CHECKING:
     from packgraph.graphs.capture import GraphedCallable
 
-__all__ = ["Entry", "Replay", "PARAM_GRAD_MODES"]
+__all__ = ["Entry", "Replay", "PARAM_GRAD_MODES", "GraphOrderError", "explained_capture_errors"]
 
 PARAM_GRAD_MODES: tuple[str, ...] = ("graph", "autograd")
+
+
+class GraphOrderError(RuntimeError):
+    """A replay would overwrite the saved activations or outputs of a graph whose backward has not run yet."""
+
 
 # One persistent grad buffer per parameter, shared by every graph that trains it (tied weights, recaptures).
 _grad_buffers = WeakIdKeyDictionary()
@@ -51,8 +70,16 @@ class Entry:
     def __init__(self, owner: GraphedCallable, key: CallSignature, args: tuple, kwargs: dict, dyn: list) -> None:
         self.owner = owner
         self.key = key
-        self.pending_backward = False
+        self.flight: Any = None  # weakref to the autograd context of a forward whose backward has not run
         self.warned_pending = False
+        self.fwd_seq = 0  # capture numbers in the group (see the module docstring)
+        self.bwd_seq: int | None = None
+        # A capture made while a graph with freed activations is in flight gets a pool of its own: the group's
+        # pool may hand it that graph's activations.
+        self.pool: Any = None
+        recorder = owner.group.recorder
+        if any(o.in_flight and o.activations_freed_at() < math.inf for o in owner.group.in_flight.values()):
+            self.pool = recorder.new_pool() if hasattr(recorder, "new_pool") else None
         self.tokens: list[tuple[Tensor, int]] = []
         self.capture_seconds = 0.0
         keys = dyn_keys(key)
@@ -72,6 +99,9 @@ class Entry:
             owner.group.recorder.check_input(item)
             if is_chained(k):
                 buf = item.detach()  # the producer graph's output itself: read in place, never copied
+                producer = owner.group.outputs.producer(item) if i == 0 else None
+                if producer is not None:
+                    producer.consumer = weakref.ref(self)  # its backward reads our input-grad buffer in place
             else:
                 buf = item.detach().clone()
                 self.load_plan.append((i, -1, buf, buf.data_ptr()))
@@ -84,6 +114,8 @@ class Entry:
         self.static_args, self.static_kwargs = rebuild_call(args, kwargs, substitutes)
         self.fwd_graph: Any = None
         self.bwd_graph: Any = None
+        self.trains = False  # set by capture_forward: a backward graph is wanted (captured now or at first use)
+        self.consumer: Any = None  # weakref to the entry that reads our output in place (chained stacks)
         self.param_pairs: list[tuple[Tensor, Tensor]] = []
 
     # ---------------------------------------------------------------- capture
@@ -123,25 +155,29 @@ class Entry:
             self.raw_outputs = [v for v in leaves if isinstance(v, Tensor)]
             return self.raw_outputs
 
-        self.fwd_graph, self.static_outputs = owner.group.recorder.record(body)
+        self.fwd_graph, self.static_outputs = owner.group.recorder.record(body, pool=self.pool)
+        self.fwd_seq = owner.group.next_seq()
         self.single_output = len(self.out_template) == 1 and self.out_template[0] is _OUT
         self.nondiff = [j for j, o in enumerate(self.static_outputs) if not o.requires_grad]
+        self.trains = not owner.forward_only and len(self.nondiff) < len(self.static_outputs)
+        self.trains = self.trains and bool(self._grad_targets())
+        if not self.trains:
+            self.nondiff = list(range(len(self.static_outputs)))
         registry = owner.group.outputs
         if registry is not None:
             own = {b.data_ptr() for b in self.static_inputs if b is not None}
             for o in self.static_outputs:
                 if o.data_ptr() not in own:
-                    self.tokens.append((o, registry.register(o, owner.uid)))
+                    self.tokens.append((o, registry.register(o, owner.uid, self)))
 
     def capture_backward(self, grad_output_buffers: dict[int, Tensor] | None = None) -> None:
         """Record the backward graph. ``grad_output_buffers[j]`` (optional) is read as the grad of output ``j``:
         the next layer's input-grad buffer in a chained stack, so no copy is needed between them."""
         owner = self.owner
+        if not self.trains:
+            return
         diff = [j for j, o in enumerate(self.static_outputs) if o.requires_grad]
         targets = self._grad_targets()
-        if owner.forward_only or not diff or not targets:
-            self.nondiff = list(range(len(self.static_outputs)))
-            return
         given = grad_output_buffers or {}
         self.static_grad_outputs: list[Tensor | None] = [None] * len(self.static_outputs)
         for j in diff:
@@ -158,9 +194,11 @@ class Entry:
         def body() -> list:
             outs = [self.raw_outputs[j] for j in diff]
             grad_outs = [self.static_grad_outputs[j] for j in diff]
-            # retain_graph: the saved activations stay allocated for the graph's lifetime (a later capture into
-            # the pool cannot take them over), which is what lets a recapture happen between two replays.
-            grads = torch.autograd.grad(outs, targets, grad_outs, retain_graph=True, allow_unused=True)
+            # Without retain_graph the saved activations go back to the pool when this capture ends, and later
+            # captures (other signatures) reuse them; retained, they stay this graph's alone. A stand-in recorder
+            # that runs the body to record it replays by running it again on the same autograd graph: it keeps it.
+            retain = not owner.share_activations or getattr(owner.group.recorder, "records_by_running", False)
+            grads = torch.autograd.grad(outs, targets, grad_outs, retain_graph=retain, allow_unused=True)
             pattern[:] = [g is not None for g in grads]
             if in_graph:
                 used = [(b, g) for b, g in zip(bufs, grads[n_in:], strict=True) if g is not None]
@@ -169,7 +207,8 @@ class Entry:
                 return [g for g in grads[:n_in] if g is not None]
             return [g for g in grads if g is not None]
 
-        self.bwd_graph, kept = owner.group.recorder.record(body)
+        self.bwd_graph, kept = owner.group.recorder.record(body, pool=self.pool)
+        self.bwd_seq = owner.group.next_seq()
         it = iter(kept)
         grads = [next(it) if present else None for present in (pattern[:n_in] if in_graph else pattern)]
         self.static_grad_inputs = grads[:n_in]
@@ -177,6 +216,41 @@ class Entry:
             self.param_pairs = [(p, b) for p, b, present in zip(params, bufs, pattern[n_in:], strict=True) if present]
         else:
             self.static_param_grads = grads[n_in:]
+
+    def capture_backward_late(self) -> None:
+        """Record the backward graph at its first use (inside autograd's backward): a signature first met at call
+        time has its forward captured at that call and its backward here, so a chained stack's graphs are
+        captured in the order they run (forwards, then backwards in reverse), like the initial capture.
+
+        Capturing the backward at forward time instead would let the next layer's forward capture place its
+        static output where this backward keeps temporaries, and this backward (which runs last) would then
+        overwrite the stack's output after ``loss.backward()``."""
+        consumer = self.consumer() if self.consumer is not None else None
+        given = {}
+        if consumer is not None and consumer.bwd_graph is not None:
+            buf = consumer.grad_input_buffer(0)
+            if buf is not None and buf.shape == self.static_outputs[0].shape:
+                given[0] = buf
+        t0 = time.perf_counter()
+        with explained_capture_errors(self):
+            self.capture_backward(given)
+        self.capture_seconds += time.perf_counter() - t0
+        logger.info(
+            "%s: captured the backward graph at its first use (%.1f ms)",
+            self.owner.name,
+            1e3 * (time.perf_counter() - t0),
+        )
+
+    @property
+    def in_flight(self) -> bool:
+        """Its forward replayed with autograd recording and its backward has not run (the graph is still alive)."""
+        return self.flight is not None and self.flight() is not None
+
+    def activations_freed_at(self) -> float:
+        """The capture number after which this entry's saved activations are free pool memory (inf: never)."""
+        if self.bwd_seq is None or not self.owner.share_activations:
+            return math.inf
+        return self.bwd_seq
 
     def grad_input_buffer(self, dyn_index: int) -> Tensor | None:
         """The static grad of dynamic input ``dyn_index`` (None if it needs none)."""
@@ -199,7 +273,8 @@ class Entry:
                 buf.copy_(src)
 
     def run(self, dyn: list) -> Any:
-        if self.bwd_graph is None or not torch.is_grad_enabled():
+        if not self.trains or not torch.is_grad_enabled():
+            check_replay_order(self, self.fwd_seq, "forward")
             with torch.no_grad():
                 self.load(dyn)
                 self.fwd_graph.replay()
@@ -210,7 +285,7 @@ class Entry:
                 grad_tensors += self.owner.trainable_params
             elif not grad_tensors:
                 grad_tensors = [self.owner.anchor]  # makes autograd call backward, which writes the param grads
-            if self.pending_backward and not self.warned_pending:
+            if self.in_flight and not self.warned_pending:
                 self.warned_pending = True
                 logger.warning(
                     "%s: forward replayed again before the previous replay's backward ran; that replay's saved "
@@ -274,6 +349,42 @@ class Entry:
             torch._foreach_add_([g for g, _ in foreign], [b for _, b in foreign])
 
 
+@contextlib.contextmanager
+def explained_capture_errors(entry: Entry) -> Iterator[None]:
+    """Turn a stream-capture failure into a :class:`~packgraph.graphs.safety.GraphCaptureError` naming the line."""
+    try:
+        yield
+    except Exception as exc:
+        if not safety.is_capture_error(exc):
+            raise
+        raise safety.explain_capture_failure(
+            exc, entry.owner.fn, entry.static_args, entry.static_kwargs, name=entry.owner.name
+        ) from exc
+
+
+def check_replay_order(entry: Entry, seq: int | None, what: str) -> None:
+    """Raise :class:`GraphOrderError` if replaying ``entry``'s graph recorded at capture number ``seq`` could
+    overwrite memory of a graph of the group whose backward has not run yet (module docstring)."""
+    flights = entry.owner.group.in_flight
+    if not flights:
+        return
+    for key, other in list(flights.items()):
+        if other is entry or other.pool is not entry.pool:
+            continue
+        if not other.in_flight:  # its autograd graph was dropped: its backward will never run
+            del flights[key]
+            continue
+        if seq is not None and (other.fwd_seq > seq or other.activations_freed_at() < seq):
+            raise GraphOrderError(
+                f"{entry.owner.name}: replaying this {what} graph now would overwrite the saved activations or "
+                f"outputs of {other.owner.name} (another signature captured into the same memory pool), whose "
+                "forward ran and whose backward has not. Run that backward first; wrap forwards that need no "
+                "backward in torch.no_grad(); or capture with share_activations=False, which keeps each "
+                "signature's activations apart (more memory; forwards of two signatures may then be in flight "
+                "only if the later one was captured before the earlier one's backward)."
+            )
+
+
 _OUT = object()  # marks a tensor slot in an output template
 
 
@@ -308,9 +419,11 @@ class Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, entry: Entry, dyn: list, *grad_tensors: Tensor) -> tuple[Tensor, ...]:
+        check_replay_order(entry, entry.fwd_seq, "forward")
         entry.load(dyn)
         entry.fwd_graph.replay()
-        entry.pending_backward = True
+        entry.flight = weakref.ref(ctx)
+        entry.owner.group.in_flight[id(entry)] = entry
         ctx.entry = entry
         ctx.set_materialize_grads(False)
         n_in = len(entry.grad_positions)
@@ -324,5 +437,9 @@ class Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: Tensor) -> tuple:
         entry = ctx.entry
-        entry.pending_backward = False
+        entry.flight = None
+        entry.owner.group.in_flight.pop(id(entry), None)
+        if entry.bwd_graph is None:
+            entry.capture_backward_late()
+        check_replay_order(entry, entry.bwd_seq, "backward")
         return (None, None, *entry.replay_backward(grads, ctx.stored))
