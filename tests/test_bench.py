@@ -46,6 +46,7 @@ RECORD_TYPES = {
     "recompiles": (int, type(None)),
     "peak_mem_mib": OPT_NUM,
     "peak_mem_timed_mib": OPT_NUM,
+    "peak_reserved_mib": OPT_NUM,
     "extra": dict,
     "run": int,
 }
@@ -155,6 +156,29 @@ def test_bad_flags_exit_with_a_message(capsys):
         bench.main(["--dry-run", "--methods", "eager,warp-drive"])
     assert exc.value.code == 2
     assert "warp-drive" in capsys.readouterr().err
+
+
+def test_cells_select_exactly_the_methods_asked_per_cell(tmp_path):
+    argv = ["--dry-run", "--out", str(tmp_path), "--steps", "2", "--no-attention"]
+    argv += ["--cell", "tiny:128:short:eager+padded", "--cell", "tiny:96:corpus:eager"]
+    assert bench.main(argv) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    got = sorted((r["T"], r["mix"], r["method"]) for r in doc["records"])
+    assert got == [(96, "corpus", "eager"), (128, "short", "eager"), (128, "short", "padded")]
+    assert all(r["status"] == "ok" for r in doc["records"])
+
+
+def test_standard_preset_is_the_issue_cells_and_narrows_by_flags():
+    parser = bench.build_parser()
+    cfg = bench.resolve(parser.parse_args(["--standard"]))
+    cells = {(m, T, mix): methods for m, T, mix, methods in cfg["cells"]}
+    assert set(cells["small", 2048, "corpus"]) == set(bench.METHODS)  # every method where the references are
+    assert {"packgraph+compile", "compile-ro"} <= set(cells["medium", 8192, "corpus"])
+    assert {"small", "medium", "large"} == set(cfg["models"]) and {"corpus", "short", "long"} == set(cfg["mixes"])
+    narrowed = bench.resolve(parser.parse_args(["--standard", "--models", "medium", "--methods", "eager,compile-ro"]))
+    assert narrowed["cells"] == [["medium", 8192, "corpus", ["eager", "compile-ro"]]]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cell", "tiny:x:short"])
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2])

@@ -458,6 +458,22 @@ def test_recaptured_stack_records_graphs_in_run_order_and_chains_grads(monkeypat
     assert [g.captures for g in graphed] == [2, 2, 2]
 
 
+def test_backward_captured_at_first_use_ignores_refilled_static_buffers():
+    """The backward of a call-time capture runs autograd over the graph recorded at forward capture. Refilling the
+    static buffers for the replay must not trip autograd's in-place check (a recorder that, like CUDA, does not
+    re-run anything at replay); a real in-place change of a saved weight gets a clear error instead."""
+    block = _model()
+    graphed = capture_with(NullRecorder(), block, (_x(0), _params([10, 20])))
+    out = graphed(_x(1), _params([30, 4], pad=2))  # a new signature: forward captured now, backward at first use
+    out.sum().backward()
+    assert all(e.bwd_graph is not None for e in graphed.cache.values())
+    out = graphed(_x(2), _params([7, 7, 7], capacity=16))
+    with torch.no_grad():
+        block.attn.proj.weight.add_(1.0)  # an optimizer step before the first backward
+    with pytest.raises(RuntimeError, match="changed in place since"):
+        out.sum().backward()
+
+
 def test_capture_layers_copies_only_what_changed():
     layers = _stack()
     p = _params([10, 20])

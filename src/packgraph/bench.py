@@ -80,6 +80,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         attention=dict(T=[8192, 16384], mixes=list(MIXES), head_dims=[64, 128], heads=16, packings=6, reps=10),
         max_corpus_docs=None,
     ),
+    # The committed H200 run (one invocation, under 10 minutes): every method where the issue's reference figures
+    # are (small T=2048, medium T=8192), the packed methods on every mix and on medium/large at long T.
+    "standard": dict(
+        methods=list(METHODS),
+        cells=[
+            ["small", 2048, "corpus", list(METHODS)],
+            ["small", 2048, "short", ["eager", "padded", "packgraph", "packgraph-model"]],
+            ["small", 2048, "long", ["eager", "padded", "packgraph", "packgraph-model"]],
+            ["small", 8192, "corpus", ["eager", "padded", "packgraph", "packgraph-model"]],
+            ["medium", 8192, "corpus", ["eager", "packgraph", "packgraph-model", "packgraph+compile", "compile-ro"]],
+            ["large", 16384, "corpus", ["eager", "packgraph", "packgraph-model"]],
+        ],
+        steps=20,
+        warmup=3,
+        graph_batches=200,
+        graph_budget_s=15.0,
+        attention=dict(T=[8192, 16384], mixes=list(MIXES), head_dims=[64, 128], heads=16, packings=3, reps=5),
+        max_corpus_docs=None,
+    ),
     "dry-run": dict(
         models=["tiny"],
         T=[128],
@@ -270,6 +289,7 @@ def _error_record(model: str, T: int, mix: str, method: str, device: torch.devic
                 "recompiles",
                 "peak_mem_mib",
                 "peak_mem_timed_mib",
+                "peak_reserved_mib",
             )
         ),
         extra={},
@@ -296,7 +316,7 @@ def run_bench(cfg: dict[str, Any], out: Path, argv: Sequence[str], device: torch
     doc["runs"].append({"argv": list(argv), "date": machine["date"], "machine": machine, "config": cfg})
     att = cfg["attention"]
     n_att = len(att["T"]) * len(att["mixes"]) * len(att["head_dims"]) * att["packings"] if cfg["run_attention"] else 0
-    n_cells = len(cfg["models"]) * len(cfg["T"]) * len(cfg["mixes"]) * len(cfg["methods"]) if cfg["run_matrix"] else 0
+    n_cells = sum(len(methods) for *_, methods in cfg["cells"]) if cfg["run_matrix"] else 0
     progress = _Progress(n_cells + n_att)
     try:
         # the attention sweep is short: run it first, so a run cut short by a time limit still has it
@@ -313,26 +333,28 @@ def run_bench(cfg: dict[str, Any], out: Path, argv: Sequence[str], device: torch
 
 def _run_matrix(cfg: dict, doc: dict, out: Path, device: torch.device, run: int, progress: _Progress) -> None:
     n_stream = max(cfg["steps"], cfg["graph_batches"]) + 1
-    for T in cfg["T"]:
+    streams: dict[tuple[int, str], list] = {}
+    for model_name, T, mix, methods in cfg["cells"]:
         policy = default_buckets(T)
-        for mix in cfg["mixes"]:
+        if (T, mix) not in streams:
             progress.describe(f"building the {mix} stream for T={T}")
             stream = batch_stream(mix, T, n_stream, seed=cfg["seed"], max_corpus_docs=cfg["max_corpus_docs"])
             stats = stream_stats(mix, T, stream[: max(cfg["graph_batches"], cfg["steps"])], policy)
             _merge(doc.setdefault("streams", []), asdict(stats), lambda s: (s["T"], s["mix"]))
-            for model_name in cfg["models"]:
-                for method in cfg["methods"]:
-                    progress.describe(f"{model_name} T={T} {mix} {method}")
-                    record = _run_one(model_name, T, mix, method, stream, policy, cfg, device, run)
-                    _merge(doc["records"], record, record_key)
-                    save(doc, out)
-                    line = f"{model_name} T={T} {mix} {method}: "
-                    if record["status"] == "ok":
-                        line += f"{record['step_ms']:.2f} ms/step, first step {record['first_step_s']:.1f} s"
-                    else:
-                        line += record["error"]
-                    progress.write(line)
-                    progress.advance()
+            streams[T, mix] = stream
+        stream = streams[T, mix]
+        for method in methods:
+            progress.describe(f"{model_name} T={T} {mix} {method}")
+            record = _run_one(model_name, T, mix, method, stream, policy, cfg, device, run)
+            _merge(doc["records"], record, record_key)
+            save(doc, out)
+            line = f"{model_name} T={T} {mix} {method}: "
+            if record["status"] == "ok":
+                line += f"{record['step_ms']:.2f} ms/step, first step {record['first_step_s']:.1f} s"
+            else:
+                line += record["error"]
+            progress.write(line)
+            progress.advance()
 
 
 def _run_one(model_name, T, mix, method, stream, policy, cfg, device, run) -> dict[str, Any]:
@@ -428,6 +450,14 @@ def publish_report(
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+def _cell(text: str) -> list:
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not parts[1].isdigit():
+        raise argparse.ArgumentTypeError(f"expected MODEL:T:MIX[:METHOD+METHOD...], got {text!r}")
+    methods = [m for m in parts[3].split("+") if m] if len(parts) == 4 else None
+    return [parts[0], int(parts[1]), parts[2], methods]
+
+
 def _csv(kind):
     def parse(text: str) -> list:
         items = [kind(x) for x in text.split(",") if x.strip()]
@@ -447,12 +477,21 @@ def build_parser() -> argparse.ArgumentParser:
     preset = p.add_mutually_exclusive_group()
     preset.add_argument("--quick", action="store_true", help="the gpu-check preset (default): small, T=2048, corpus")
     preset.add_argument("--full", action="store_true", help="the full matrix: small/medium/large x 3 T x 3 mixes")
+    preset.add_argument(
+        "--standard", action="store_true", help="the committed H200 run: chosen cells of the full matrix (< 10 min)"
+    )
     preset.add_argument("--dry-run", action="store_true", help="a tiny CPU matrix (perf_counter timing)")
     p.add_argument("--out", type=Path, help="results directory (default bench/results/<date>-<gpu>/)")
     p.add_argument("--models", type=_csv(str), help="GPT presets, e.g. small,medium")
     p.add_argument("--T", type=_csv(int), help="tokens per step, e.g. 2048,8192")
     p.add_argument("--mixes", type=_csv(str), help=f"length mixes from {','.join(MIXES)}")
     p.add_argument("--methods", type=_csv(str), help=f"methods from {','.join(ALL_METHODS)}")
+    p.add_argument(
+        "--cell",
+        action="append",
+        type=_cell,
+        help="one cell MODEL:T:MIX[:METHOD+METHOD...] (repeatable; replaces the --models x --T x --mixes matrix)",
+    )
     p.add_argument("--steps", type=int, help="timed steps per method (the median is reported)")
     p.add_argument("--warmup", type=int, help="warm-up steps of methods without a graph/compile cache")
     p.add_argument("--graph-batches", type=int, help="varied batches over which graphs are counted")
@@ -476,16 +515,33 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         ValueError: an unknown model, mix or method, or a non-positive count.
     """
-    name = "dry-run" if args.dry_run else "full" if args.full else "quick"
+    name = "dry-run" if args.dry_run else "full" if args.full else "standard" if args.standard else "quick"
     cfg = json.loads(json.dumps(PRESETS[name]))  # a deep copy
     cfg["preset"] = name
     for key in ("models", "T", "mixes", "methods", "steps", "warmup", "graph_batches", "graph_budget_s"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
+    if args.cell:
+        cfg["cells"] = [[m, T, mix, methods or list(cfg["methods"])] for m, T, mix, methods in args.cell]
+    elif "cells" in cfg:  # a cell preset: --models / --T / --mixes / --methods narrow it
+        keep = {k: getattr(args, k) for k in ("models", "T", "mixes")}
+        cfg["cells"] = [
+            [m, T, mix, [x for x in methods if args.methods is None or x in args.methods]]
+            for m, T, mix, methods in cfg["cells"]
+            if all(v is None or c in v for c, v in zip((m, T, mix), keep.values(), strict=True))
+        ]
+        cfg["cells"] = [c for c in cfg["cells"] if c[3]]
+    else:
+        grid = [(m, T, mix) for T in cfg["T"] for mix in cfg["mixes"] for m in cfg["models"]]
+        cfg["cells"] = [[m, T, mix, list(cfg["methods"])] for m, T, mix in grid]
+    cfg["models"] = sorted({c[0] for c in cfg["cells"]})
+    cfg["T"] = sorted({c[1] for c in cfg["cells"]})
+    cfg["mixes"] = sorted({c[2] for c in cfg["cells"]})
+    cfg["methods"] = list(dict.fromkeys(m for c in cfg["cells"] for m in c[3]))
     if args.attention_T:
         cfg["attention"]["T"] = args.attention_T
     if args.mixes:
-        cfg["attention"]["mixes"] = args.mixes
+        cfg["attention"]["mixes"] = args.mixes  # (cfg["mixes"] is derived from the cells above)
     cfg["seed"], cfg["profile"] = args.seed, not args.no_profile
     # --quick and --dry-run include the attention sweep; --full runs it only when asked, since a full matrix is
     # usually measured in parts and the sweep needs running once

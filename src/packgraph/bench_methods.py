@@ -463,6 +463,7 @@ class Measurement:
     recompiles: int | None
     peak_mem_mib: float | None
     peak_mem_timed_mib: float | None
+    peak_reserved_mib: float | None
     extra: dict[str, Any]
 
 
@@ -561,6 +562,8 @@ def measure(
         graphs, graph_batches_seen = method.graphs(), seen
         predicted = len({method.signature(b) for b in stream[:seen]})
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
+    # Reserved counts what tensors do not: graph-pool memory that is free between captures, allocator caching.
+    peak_reserved = torch.cuda.max_memory_reserved(device) / 2**20 if cuda else None
     return Measurement(
         timer="cuda-events" if cuda else "perf-counter",
         steps=len(times),
@@ -578,6 +581,7 @@ def measure(
         recompiles=method.recompiles(),
         peak_mem_mib=peak,
         peak_mem_timed_mib=peak_timed,
+        peak_reserved_mib=peak_reserved,
         extra=method.extra(),
     )
 

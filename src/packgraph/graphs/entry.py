@@ -56,6 +56,11 @@ __all__ = ["Entry", "Replay", "PARAM_GRAD_MODES", "GraphOrderError", "explained_
 PARAM_GRAD_MODES: tuple[str, ...] = ("graph", "autograd")
 
 
+def _preserve_version(t: Tensor) -> contextlib.AbstractContextManager:
+    preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+    return contextlib.nullcontext() if preserve is None else preserve(t)
+
+
 class GraphOrderError(RuntimeError):
     """A replay would overwrite the saved activations or outputs of a graph whose backward has not run yet."""
 
@@ -232,8 +237,19 @@ class Entry:
             if buf is not None and buf.shape == self.static_outputs[0].shape:
                 given[0] = buf
         t0 = time.perf_counter()
-        with explained_capture_errors(self):
-            self.capture_backward(given)
+        try:
+            with explained_capture_errors(self):
+                self.capture_backward(given)
+        except RuntimeError as exc:
+            if "modified by an inplace operation" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"{self.owner.name}: the backward graph of this signature is captured at its first backward, from "
+                "the autograd graph recorded at its forward capture; a tensor that forward saved (a weight updated "
+                "by optimizer.step(), say) changed in place since. Run the backward of a new signature's first "
+                "forward before changing the parameters, or run forwards that need no backward under "
+                "torch.no_grad()."
+            ) from exc
         self.capture_seconds += time.perf_counter() - t0
         logger.info(
             "%s: captured the backward graph at its first use (%.1f ms)",
@@ -267,10 +283,18 @@ class Entry:
 
     # ---------------------------------------------------------------- replay
     def load(self, dyn: list) -> None:
+        keep_versions = self.trains and self.bwd_graph is None
         for i, j, buf, ptr in self.load_plan:
             src = dyn[i] if j < 0 else dyn[i].tensors[j]
             if src.data_ptr() != ptr:
-                buf.copy_(src)
+                if keep_versions:
+                    # The backward is not captured yet: it will run autograd over the graph recorded at forward
+                    # capture, whose saved inputs are these buffers. Refilling them is what graphs are for, not
+                    # the in-place change autograd's version check guards against.
+                    with _preserve_version(buf):
+                        buf.copy_(src)
+                else:
+                    buf.copy_(src)
 
     def run(self, dyn: list) -> Any:
         if not self.trains or not torch.is_grad_enabled():
