@@ -16,8 +16,11 @@ and keeps the rest, so the full matrix can be measured in parts (``--models``, `
 A method that fails records its error string; the matrix goes on.
 
 Presets: ``--quick`` (what ``scripts/gpu-check`` runs: small, T=2048, corpus, the key methods, a reduced
-attention sweep; a few minutes on an H200), ``--full`` (the issue's matrix; add ``--attention`` once for its
-sweep), ``--dry-run`` (a tiny CPU matrix with ``perf_counter`` timing that exercises the harness end to end).
+attention sweep; a few minutes on an H200), ``--standard`` (the committed H200 run: chosen cells of the full
+matrix, each with its own methods, and the attention sweep at T=8192 and 16384; about 9 minutes), ``--full``
+(the issue's whole matrix; add ``--attention`` once for its sweep), ``--dry-run`` (a tiny CPU matrix with
+``perf_counter`` timing that exercises the harness end to end). ``--cell MODEL:T:MIX[:METHOD+...]`` (repeatable)
+measures exactly the cells named; on a cell preset, ``--models``/``--T``/``--mixes``/``--methods`` narrow it.
 """
 
 from __future__ import annotations
