@@ -127,10 +127,11 @@ def test_score_graphed_equals_eager(scope, report):
     report(f"score graphed[{scope}]: speedup over eager", round(result.speedup, 2))
 
 
-def test_short_training_run_graphed_tracks_eager(tmp_path, report):
-    cfg = TrainConfig(
+def tiny_run(tmp_path, steps: int, **overrides) -> TrainConfig:
+    """A short `tiny` training run on the corpus stream (several buckets), artefacts under ``tmp_path``."""
+    return TrainConfig(
         preset="tiny",
-        steps=30,
+        steps=steps,
         T=T,
         lr=3e-3,
         warmup_steps=3,
@@ -140,7 +141,12 @@ def test_short_training_run_graphed_tracks_eager(tmp_path, report):
         progress=False,
         plot=False,
         save_checkpoint=False,
+        **overrides,
     )
+
+
+def test_short_training_run_graphed_tracks_eager(tmp_path, report):
+    cfg = tiny_run(tmp_path, 30)
     out = compare_eager_graphed(cfg, scopes=("layer", "attn"), echo=None)
     eager = out["runs"]["eager"]
     assert sum(eager.losses[-5:]) < sum(eager.losses[:5]) - 2.5  # the loss clearly drops (5 steps each)
@@ -157,20 +163,7 @@ def test_short_training_run_graphed_tracks_eager(tmp_path, report):
 def test_deterministic_runs_are_bitwise_equal_eager_and_graphed(tmp_path, report):
     """With deterministic kernels, eager, graphed-layer, graphed-attn and graphed-model runs give the same losses
     bit for bit, over a stream that visits several buckets (so graphs are recaptured mid-run)."""
-    cfg = TrainConfig(
-        preset="tiny",
-        steps=25,
-        T=T,
-        lr=3e-3,
-        warmup_steps=3,
-        max_docs=40,
-        device="cuda",
-        out_dir=str(tmp_path),
-        progress=False,
-        plot=False,
-        save_checkpoint=False,
-        deterministic=True,
-    )
+    cfg = tiny_run(tmp_path, 25, deterministic=True)
     out = compare_eager_graphed(cfg, scopes=("layer", "attn", "model"), echo=None)
     eager = out["runs"]["eager"].losses
     assert not torch.are_deterministic_algorithms_enabled()  # restored after each run
