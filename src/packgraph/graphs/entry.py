@@ -400,12 +400,11 @@ def check_replay_order(entry: Entry, seq: int | None, what: str) -> None:
             continue
         if seq is not None and (other.fwd_seq > seq or other.activations_freed_at() < seq):
             raise GraphOrderError(
-                f"{entry.owner.name}: replaying this {what} graph now would overwrite the saved activations or "
-                f"outputs of {other.owner.name} (another signature captured into the same memory pool), whose "
-                "forward ran and whose backward has not. Run that backward first; wrap forwards that need no "
-                "backward in torch.no_grad(); or capture with share_activations=False, which keeps each "
-                "signature's activations apart (more memory; forwards of two signatures may then be in flight "
-                "only if the later one was captured before the earlier one's backward)."
+                f"{entry.owner.name}: replaying this {what} graph now could overwrite the saved activations or "
+                f"outputs of {other.owner.name} (a graph of the same memory pool, captured at another time), "
+                "whose forward ran and whose backward has not. Run that backward first, wrap forwards that need "
+                "no backward in torch.no_grad(), or capture with share_activations=False (each signature keeps "
+                "its own activations: more memory, fewer such conflicts)."
             )
 
 
