@@ -75,11 +75,16 @@ def _x(seed, requires_grad=True):
     return torch.randn(T, D, dtype=torch.float64, generator=g).requires_grad_(requires_grad)
 
 
+def _weighted_sum(out):
+    """A loss whose grad differs per element (a plain sum would hide swapped rows)."""
+    return (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum()
+
+
 def _eager_grads(module, x, *args):
     module.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(x.requires_grad)
     out = module(x, *args)
-    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    _weighted_sum(out).backward()
     return out.detach(), (x.grad if x.requires_grad else None), [p.grad.clone() for p in module.parameters()]
 
 
@@ -87,7 +92,7 @@ def _graphed_grads(module, graphed, x, *args):
     module.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(x.requires_grad)
     out = graphed(x, *args)
-    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    _weighted_sum(out).backward()
     return out.detach().clone(), (x.grad if x.requires_grad else None), [p.grad.clone() for p in module.parameters()]
 
 
@@ -563,10 +568,6 @@ def test_second_forward_before_backward_warns(caplog):
     assert any("before the previous replay's backward" in r.getMessage() for r in caplog.records)
     with torch.no_grad():
         graphed(_x(3), p)  # no autograd, nothing in flight: no new warning needed
-
-
-def _weighted_sum(out):
-    return (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum()
 
 
 def test_replay_that_would_overwrite_an_unfinished_forward_raises():
