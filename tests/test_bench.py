@@ -9,8 +9,8 @@ import torch
 from packgraph import bench
 from packgraph.bench_attention import evaluate_ladders, recommend_ladder
 from packgraph.bench_data import batch_stream, doc_tokens, stream_stats
-from packgraph.bench_methods import padded_batch, padded_loss
-from packgraph.bench_report import check_targets, derive, readme_table
+from packgraph.bench_methods import kernel_class, padded_batch, padded_loss
+from packgraph.bench_report import busy_delta, check_targets, derive, kernel_class_table, readme_table, results_markdown
 from packgraph.buckets import default_buckets
 from packgraph.models.gpt import GPT, GPTConfig
 from packgraph.packing import PackedBatch
@@ -36,6 +36,10 @@ RECORD_TYPES = {
     "speedup_vs_eager": OPT_NUM,
     "gpu_busy_ms": OPT_NUM,
     "gpu_copy_ms": OPT_NUM,
+    "busy_steps": (int, type(None)),
+    "step_ms_busy_batches": OPT_NUM,
+    "gpu_busy_by_class": (dict, type(None)),
+    "top_kernels": (list, type(None)),
     "step_over_busy": OPT_NUM,
     "first_step_s": OPT_NUM,
     "first_loss": OPT_NUM,
@@ -47,6 +51,7 @@ RECORD_TYPES = {
     "peak_mem_mib": OPT_NUM,
     "peak_mem_timed_mib": OPT_NUM,
     "peak_reserved_mib": OPT_NUM,
+    "elapsed_s": OPT_NUM,
     "extra": dict,
     "run": int,
 }
@@ -160,12 +165,21 @@ def test_bad_flags_exit_with_a_message(capsys):
 
 def test_cells_select_exactly_the_methods_asked_per_cell(tmp_path):
     argv = ["--dry-run", "--out", str(tmp_path), "--steps", "2", "--no-attention"]
-    argv += ["--cell", "tiny:128:short:eager+padded", "--cell", "tiny:96:corpus:eager"]
+    argv += ["--cell", "tiny:128:short:eager,padded", "--cell", "tiny:96:corpus:eager"]
     assert bench.main(argv) == 0
     doc = json.loads((tmp_path / "results.json").read_text())
     got = sorted((r["T"], r["mix"], r["method"]) for r in doc["records"])
     assert got == [(96, "corpus", "eager"), (128, "short", "eager"), (128, "short", "padded")]
     assert all(r["status"] == "ok" for r in doc["records"])
+
+
+def test_cell_methods_keep_names_with_a_plus(capsys):
+    parser = bench.build_parser()
+    args = parser.parse_args(["--cell", "medium:8192:corpus:packgraph+compile,packgraph-model+compile"])
+    assert args.cell == [["medium", 8192, "corpus", ["packgraph+compile", "packgraph-model+compile"]]]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cell", "small:2048:corpus:eager+padded"])  # the old separator: no such method
+    assert "unknown method(s) ['eager+padded']" in capsys.readouterr().err
 
 
 def test_standard_preset_is_the_issue_cells_and_narrows_by_flags():
@@ -289,6 +303,67 @@ def test_targets_and_readme_table_from_results():
     assert cells["padded"] == "30.00 ms (0.67x)"
     assert cells["packgraph step/busy"] == f"{5.0 / 4.5:.2f}"
     assert len(table) == 5  # caption, blank, header, rule, one cell
+
+
+@pytest.mark.parametrize(
+    "name, cls",
+    [
+        ("void flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64>>", "attention bwd"),
+        ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", "attention fwd"),
+        ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNT", "gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+        ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "inductor (triton)"),
+        ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>", "reduction"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "elementwise"),
+        ("Memset (Device)", "memcpy/memset"),
+        ("Memcpy HtoD (Pageable -> Device)", "memcpy/memset"),
+        ("some_custom_kernel", "other"),
+    ],
+)
+def test_kernel_classes(name, cls):
+    assert kernel_class(name) == cls
+
+
+def test_busy_split_drives_step_over_busy_and_the_busy_target_detail():
+    eager = _record("eager", 20.0, busy=4.0)
+    pg = _record("packgraph", 5.0, busy=4.4)
+    eager["gpu_busy_by_class"] = {"gemm": 3.0, "attention fwd": 0.5, "elementwise": 0.5, "memcpy/memset": 0.1}
+    pg["gpu_busy_by_class"] = {"gemm": 3.0, "attention fwd": 0.8, "elementwise": 0.6, "memcpy/memset": 0.3}
+    eager["busy_steps"] = pg["busy_steps"] = 8
+    pg["step_ms_busy_batches"] = 4.84  # the profiled batches' mean step, not the pool's median
+    doc = _doc([eager, pg])
+    assert pg["step_over_busy"] == pytest.approx(4.84 / 4.4)
+    assert eager["step_over_busy"] == pytest.approx(20.0 / 4.0)  # no profiled-batch mean: the median step
+    assert busy_delta(pg, eager) == "attention fwd +0.300, elementwise +0.100, gemm +0.000 ms"
+    assert busy_delta(pg, _record("eager", 20.0, busy=4.0)) == ""  # no split, no explanation
+    busy = next(t for t in check_targets(doc) if t["target"].startswith("GPU-busy under default buckets"))
+    assert busy["met"] is False  # 4.4 / 4.0 = 1.1x
+    assert busy["detail"] == (
+        "small T=2048 corpus: busy 4.40 / 4.00 ms = 1.100x eager (attention fwd +0.300, elementwise +0.100, "
+        "gemm +0.000 ms)"
+    )
+    table = kernel_class_table(doc["records"]).splitlines()
+    assert [c.strip() for c in table[0].strip("|").split("|")] == [
+        "model",
+        "T",
+        "mix",
+        "method",
+        "steps",
+        "gemm",
+        "attention fwd",
+        "elementwise",
+        "memcpy/memset",
+    ]  # classes ordered by total time over the records
+    assert [c.strip() for c in table[3].strip("|").split("|")][3:] == [
+        "packgraph",
+        "8",
+        "3.000",
+        "0.800",
+        "0.600",
+        "0.300",
+    ]
+    assert "## GPU-busy by kernel class" in results_markdown(doc)
 
 
 def test_ladder_evaluation_and_recommendation():

@@ -19,7 +19,7 @@ Presets: ``--quick`` (what ``scripts/gpu-check`` runs: small, T=2048, corpus, th
 attention sweep; a few minutes on an H200), ``--standard`` (the committed H200 run: chosen cells of the full
 matrix, each with its own methods, and the attention sweep at T=8192 and 16384; about 9 minutes), ``--full``
 (the issue's whole matrix; add ``--attention`` once for its sweep), ``--dry-run`` (a tiny CPU matrix with
-``perf_counter`` timing that exercises the harness end to end). ``--cell MODEL:T:MIX[:METHOD+...]`` (repeatable)
+``perf_counter`` timing that exercises the harness end to end). ``--cell MODEL:T:MIX[:METHOD,...]`` (repeatable)
 measures exactly the cells named; on a cell preset, ``--models``/``--T``/``--mixes``/``--methods`` narrow it.
 """
 
@@ -45,6 +45,7 @@ import torch
 from packgraph.bench_data import MIXES, batch_stream, stream_stats
 from packgraph.bench_methods import ALL_METHODS, CUDA_ONLY_METHODS, METHODS, make_method, measure, release
 from packgraph.bench_report import (
+    RECORD_FIELDS,
     check_targets,
     derive,
     format_targets,
@@ -92,8 +93,13 @@ PRESETS: dict[str, dict[str, Any]] = {
             ["small", 2048, "short", ["eager", "padded", "packgraph", "packgraph-model"]],
             ["small", 2048, "long", ["eager", "padded", "packgraph", "packgraph-model"]],
             ["small", 8192, "corpus", ["eager", "padded", "packgraph", "packgraph-model"]],
-            ["medium", 8192, "corpus", ["eager", "packgraph", "packgraph-model", "packgraph+compile", "compile-ro"]],
-            ["large", 16384, "corpus", ["eager", "packgraph", "packgraph-model"]],
+            [
+                "medium",
+                8192,
+                "corpus",
+                ["eager", "packgraph", "packgraph+compile", "packgraph-model+compile", "compile-ro"],
+            ],
+            ["large", 16384, "corpus", ["eager", "packgraph"]],
         ],
         steps=20,
         warmup=3,
@@ -199,12 +205,14 @@ class _Progress:
             except ImportError:
                 pass
         self.total, self.done = total, 0
+        self.started = time.perf_counter()
 
     def describe(self, text: str) -> None:
         if self._bar is not None:
             self._bar.set_postfix_str(text)
         else:
-            print(f"[bench {self.done}/{self.total}] {text}", file=sys.stderr, flush=True)
+            elapsed = time.perf_counter() - self.started
+            print(f"[bench {self.done}/{self.total} +{elapsed:.0f}s] {text}", file=sys.stderr, flush=True)
 
     def advance(self) -> None:
         self.done += 1
@@ -264,42 +272,10 @@ def save(doc: dict[str, Any], out: Path, *, plots: bool = False) -> None:
 
 
 def _error_record(model: str, T: int, mix: str, method: str, device: torch.device, err: str, run: int) -> dict:
-    return dict(
-        model=model,
-        T=T,
-        mix=mix,
-        method=method,
-        status="error",
-        error=err,
-        device=str(device),
-        timer=None,
-        steps=0,
-        **dict.fromkeys(
-            (
-                "step_ms",
-                "step_ms_p10",
-                "step_ms_p90",
-                "real_tokens_per_step",
-                "tokens_per_s",
-                "speedup_vs_eager",
-                "gpu_busy_ms",
-                "gpu_copy_ms",
-                "step_over_busy",
-                "first_step_s",
-                "first_loss",
-                "first_loss_vs_eager",
-                "graphs",
-                "graph_batches",
-                "predicted_graphs",
-                "recompiles",
-                "peak_mem_mib",
-                "peak_mem_timed_mib",
-                "peak_reserved_mib",
-            )
-        ),
-        extra={},
-        run=run,
-    )
+    """A record of a method that did not run: every :data:`RECORD_FIELDS` key, figures None."""
+    record = dict.fromkeys(RECORD_FIELDS)
+    record.update(model=model, T=T, mix=mix, method=method, status="error", error=err, device=str(device))
+    return record | dict(steps=0, extra={}, run=run)
 
 
 def _describe_error(exc: BaseException) -> str:
@@ -458,8 +434,12 @@ def publish_report(
 def _cell(text: str) -> list:
     parts = text.split(":")
     if len(parts) not in (3, 4) or not parts[1].isdigit():
-        raise argparse.ArgumentTypeError(f"expected MODEL:T:MIX[:METHOD+METHOD...], got {text!r}")
-    methods = [m for m in parts[3].split("+") if m] if len(parts) == 4 else None
+        raise argparse.ArgumentTypeError(f"expected MODEL:T:MIX[:METHOD,METHOD...], got {text!r}")
+    # commas, not "+": method names such as "packgraph+compile" contain a plus
+    methods = [m for m in parts[3].split(",") if m] if len(parts) == 4 else None
+    unknown = [m for m in methods or [] if m not in ALL_METHODS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown} in {text!r}; choose from {ALL_METHODS}")
     return [parts[0], int(parts[1]), parts[2], methods]
 
 
@@ -495,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cell",
         action="append",
         type=_cell,
-        help="one cell MODEL:T:MIX[:METHOD+METHOD...] (repeatable; replaces the --models x --T x --mixes matrix)",
+        help="one cell MODEL:T:MIX[:METHOD,METHOD...] (repeatable; replaces the --models x --T x --mixes matrix)",
     )
     p.add_argument("--steps", type=int, help="timed steps per method (the median is reported)")
     p.add_argument("--warmup", type=int, help="warm-up steps of methods without a graph/compile cache")

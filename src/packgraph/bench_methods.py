@@ -5,18 +5,20 @@ forward, backward, ``AdamW.step()``, ``zero_grad(set_to_none=True)``; bf16 autoc
 All of them consume the same stream of documents (:mod:`packgraph.bench_data`); they differ in what they feed
 the model and what runs it:
 
-=====================  ===============================================================================
-``eager``              exact ``cu_seqlens`` (capacity = documents) and the true ``max_seqlen``
-``packgraph``          ``model.graphed(scope="layer")`` (``capture_layers``), default buckets
-``packgraph-model``    ``model.graphed(scope="model")``: forward and backward of the whole loss, bucketed
-``packgraph+compile``  each block ``torch.compile`` d (``mode="default"``, fusion), then captured by packgraph
-``compile``            ``torch.compile(model)``, fed the bucketed (fixed-shape) batches
-``compile-ro``         ``torch.compile(model, mode="reduce-overhead")`` with ``cudagraph_mark_step_begin()``,
-                       fed the bucketed batches
-``compile-ro-raw``     the same, fed the raw exact batches: every new (capacity, max_seqlen) may re-record
-``padded``             no packing: documents right-padded to the batch max, ``[B, L]``, SDPA causal
-``padded-mask``        the same with an explicit causal & key-padding boolean mask (SDPA's masked kernel)
-=====================  ===============================================================================
+===========================  ===============================================================================
+``eager``                    exact ``cu_seqlens`` (capacity = documents) and the true ``max_seqlen``
+``packgraph``                ``model.graphed(scope="layer")`` (``capture_layers``), default buckets
+``packgraph-model``          ``model.graphed(scope="model")``: forward and backward of the whole loss, bucketed
+``packgraph+compile``        each block ``torch.compile`` d (``mode="default"``, fusion), then captured by packgraph
+``packgraph-model+compile``  the whole model ``torch.compile`` d (``mode="default"``), captured with scope
+                             ``"model"``: compile-RO's fusion (embedding, head and loss too) with packgraph's graphs
+``compile``                  ``torch.compile(model)``, fed the bucketed (fixed-shape) batches
+``compile-ro``               ``torch.compile(model, mode="reduce-overhead")`` with ``cudagraph_mark_step_begin()``,
+                             fed the bucketed batches
+``compile-ro-raw``           the same, fed the raw exact batches: every new (capacity, max_seqlen) may re-record
+``padded``                   no packing: documents right-padded to the batch max, ``[B, L]``, SDPA causal
+``padded-mask``              the same with an explicit causal & key-padding boolean mask (SDPA's masked kernel)
+===========================  ===============================================================================
 
 ``padded`` needs no mask for exactness: with right padding, a causal query row of a real token only sees keys at
 or before it, which are all real. The padding enters through the loss mask (pad rows have label -100), so the
@@ -57,7 +59,10 @@ __all__ = [
     "Method",
     "PaddedBatch",
     "cudagraph_records",
+    "KERNEL_CLASSES",
+    "KernelProfile",
     "gpu_busy_ms",
+    "kernel_class",
     "make_method",
     "measure",
     "padded_batch",
@@ -73,13 +78,14 @@ METHODS: tuple[str, ...] = (
     "compile-ro-raw",
     "compile",
     "packgraph+compile",
+    "packgraph-model+compile",
 )
 """The default method list of a full run, in run order: the fast ones first, so a run cut short by a time limit
 still has the comparisons that matter most."""
 
 ALL_METHODS: tuple[str, ...] = (*METHODS, "padded-mask")
 CUDA_ONLY_METHODS: frozenset[str] = frozenset(
-    {"packgraph", "packgraph-model", "packgraph+compile", "compile-ro", "compile-ro-raw"}
+    {"packgraph", "packgraph-model", "packgraph+compile", "packgraph-model+compile", "compile-ro", "compile-ro-raw"}
 )
 
 
@@ -187,6 +193,10 @@ class Method:
         """The host-side key a graph/compile cache would see for ``batch`` (None: no cache)."""
         return None
 
+    def bucket_key(self, batch: PackedBatch) -> Hashable:
+        """The default-bucket key of ``batch``: what a bucketed method's cache is keyed by."""
+        return self.policy.bucket_for(max(batch.doc_lengths, default=0), len(batch.doc_lengths))
+
     def loss(self, inp: Any) -> Tensor:
         return self.model(inp.tokens, inp.packed_seq_params, inp.labels, inp.loss_mask)[1]
 
@@ -216,21 +226,26 @@ class GraphedMethod(Method):
     warm_pool = True
     counts_graphs = True
     scope = "layer"
-    compile_blocks = False
+    compiles: str | None = None  # "blocks": each block torch.compile d; "model": the whole model
 
     def __init__(self, model: GPT, policy: BucketPolicy, device: torch.device) -> None:
-        if self.compile_blocks:
+        if self.compiles is not None:
             torch._dynamo.reset()
+        if self.compiles == "blocks":
             # Replacing the block by its OptimizedModule makes both ``block(...)`` and ``block.forward(...)``
             # compiled, whichever the engine calls; the engine's warm-up iterations run the compilation, so
             # the capture records inductor's fused kernels.
             for i, block in enumerate(model.blocks):
                 model.blocks[i] = torch.compile(block, mode="default")
+        elif self.compiles == "model":
+            # ``model(...)`` (which scope "model" captures) now runs the compiled whole loss: embedding, blocks,
+            # head and cross-entropy fused by inductor, as compile-RO's graph has them.
+            model.compile(mode="default")
         super().__init__(model, policy, device)
         self.graphed = model.graphed(scope=self.scope, buckets=policy)
 
     def signature(self, batch: PackedBatch) -> Hashable:
-        return self.policy.bucket_for(max(batch.doc_lengths, default=0), len(batch.doc_lengths))
+        return self.bucket_key(batch)
 
     def loss(self, inp: PackedBatch) -> Tensor:
         return self.graphed(inp)[1]
@@ -254,7 +269,7 @@ class GraphedMethod(Method):
         return self._counts()[0]
 
     def recompiles(self) -> int | None:
-        return _dynamo_graphs() - self._dynamo_graphs0 if self.compile_blocks else None
+        return _dynamo_graphs() - self._dynamo_graphs0 if self.compiles is not None else None
 
     def extra(self) -> dict[str, Any]:
         return {
@@ -265,7 +280,7 @@ class GraphedMethod(Method):
 
     def close(self) -> None:
         self.graphed = None
-        if self.compile_blocks:
+        if self.compiles is not None:
             torch._dynamo.reset()
 
 
@@ -276,7 +291,13 @@ class GraphedModelMethod(GraphedMethod):
 
 class GraphedCompiledMethod(GraphedMethod):
     name = "packgraph+compile"
-    compile_blocks = True
+    compiles = "blocks"
+
+
+class GraphedModelCompiledMethod(GraphedMethod):
+    name = "packgraph-model+compile"
+    scope = "model"
+    compiles = "model"
 
 
 class CompileMethod(Method):
@@ -301,9 +322,7 @@ class CompileMethod(Method):
         return b
 
     def signature(self, batch: PackedBatch) -> Hashable:
-        if self.bucketed:
-            return self.policy.bucket_for(max(batch.doc_lengths, default=0), len(batch.doc_lengths))
-        return _exact_key(batch)
+        return self.bucket_key(batch) if self.bucketed else _exact_key(batch)
 
     def loss(self, inp: PackedBatch) -> Tensor:
         params = inp.packed_seq_params
@@ -364,6 +383,7 @@ _REGISTRY: dict[str, type[Method]] = {
         GraphedMethod,
         GraphedModelMethod,
         GraphedCompiledMethod,
+        GraphedModelCompiledMethod,
         CompileMethod,
         CompileROMethod,
         CompileRORawMethod,
@@ -421,26 +441,70 @@ def cudagraph_records() -> tuple[int, int] | None:
 
 
 # ---------------------------------------------------------------------------------------------- measuring
-def gpu_busy_ms(fn: Callable[[], None]) -> tuple[float, float]:
-    """Run ``fn`` once under ``torch.profiler``; return ``(kernel ms, memcpy+memset ms)``: summed durations of
-    the device activities (kernels inside CUDA graph replays included, as CUPTI reports them)."""
+KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
+    ("attention bwd", r"flash.*(bwd|backward)|(bwd|backward).*flash|fmha.*bwd"),
+    ("attention fwd", r"flash|fmha"),
+    ("optimizer", r"multi_tensor|adam"),
+    ("gemm", r"gemm|cutlass|nvjet|cublas|xmma|sm\d+_.*(tn|nt|nn|tt)"),
+    ("inductor (triton)", r"^triton_"),
+    ("reduction", r"reduce|norm|softmax|cross_entropy|nll_loss|sum_"),
+    ("elementwise", r"elementwise|vectorized|unrolled|fill|copy|cat_|index|gather|scatter|embedding"),
+    ("memcpy/memset", r"^(memcpy|memset)"),
+)
+"""``(class, regex)`` pairs, first match wins (case-insensitive): how :func:`gpu_busy_ms` groups kernel time, so
+that two methods' GPU-busy times can be compared class by class. Anything else is ``"other"``."""
+
+_CLASS_PATTERNS = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in KERNEL_CLASSES]
+
+
+def kernel_class(name: str) -> str:
+    """The :data:`KERNEL_CLASSES` class of a device activity named ``name`` (``"other"`` if none matches)."""
+    return next((cls for cls, pattern in _CLASS_PATTERNS if pattern.search(name)), "other")
+
+
+@dataclass
+class KernelProfile:
+    """Device time of some steps under ``torch.profiler``, per step (ms): kernels, copies/memsets, by class.
+
+    ``busy_ms`` sums kernel durations (kernels inside CUDA graph replays included, as CUPTI reports them);
+    ``copy_ms`` the memcpy/memset activities, which ``busy_ms`` excludes. ``by_class`` splits both by
+    :func:`kernel_class`; ``top`` lists the ``[name, ms]`` of the heaviest kernels (names cut at 96 chars).
+    """
+
+    steps: int
+    busy_ms: float
+    copy_ms: float
+    by_class: dict[str, float]
+    top: list[list[Any]]
+
+
+def gpu_busy_ms(fn: Callable[[int], None], steps: int = 1, top: int = 12) -> KernelProfile:
+    """Run ``fn(0) .. fn(steps - 1)`` under ``torch.profiler`` and return their device time per step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
+        for i in range(steps):
+            fn(i)
         torch.cuda.synchronize()
-    kernels = copies = 0.0
+    by_name: dict[str, float] = {}
     for event in prof.events():
-        if event.device_type != DeviceType.CUDA:
-            continue
-        duration = event.time_range.elapsed_us()
-        if event.name.lower().startswith(("memcpy", "memset")):
-            copies += duration
-        else:
-            kernels += duration
-    return kernels / 1e3, copies / 1e3
+        if event.device_type == DeviceType.CUDA:
+            by_name[event.name] = by_name.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3 / steps
+    by_class: dict[str, float] = {}
+    for name, ms in by_name.items():
+        cls = kernel_class(name)
+        by_class[cls] = by_class.get(cls, 0.0) + ms
+    copies = by_class.get("memcpy/memset", 0.0)
+    heaviest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return KernelProfile(
+        steps=steps,
+        busy_ms=sum(by_name.values()) - copies,
+        copy_ms=copies,
+        by_class=dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
+        top=[[name[:96], ms] for name, ms in heaviest],
+    )
 
 
 @dataclass
@@ -457,6 +521,10 @@ class Measurement:
     first_loss: float
     gpu_busy_ms: float | None
     gpu_copy_ms: float | None
+    busy_steps: int | None
+    step_ms_busy_batches: float | None
+    gpu_busy_by_class: dict[str, float] | None
+    top_kernels: list[list[Any]] | None
     graphs: int | None
     graph_batches: int | None
     predicted_graphs: int | None
@@ -464,6 +532,7 @@ class Measurement:
     peak_mem_mib: float | None
     peak_mem_timed_mib: float | None
     peak_reserved_mib: float | None
+    elapsed_s: float
     extra: dict[str, Any]
 
 
@@ -486,6 +555,7 @@ def measure(
     graph_batches: int,
     graph_budget_s: float,
     profile: bool = True,
+    profile_steps: int = 8,
 ) -> Measurement:
     """Measure ``method`` on ``stream`` (host batches; needs ``len(stream) >= steps``).
 
@@ -496,7 +566,9 @@ def measure(
        ``stream[:steps]`` once, so the timed loop replays; the others run ``warmup`` steps;
     3. **timed**: ``steps`` steps over the pool, each timed with CUDA events (``perf_counter`` on CPU); the
        median is ``step_ms``;
-    4. **profile** (CUDA): one step under ``torch.profiler`` for the GPU-busy time;
+    4. **profile** (CUDA): the first ``profile_steps`` batches of the pool again, under ``torch.profiler``:
+       ``gpu_busy_ms`` is their kernel time per step, ``step_ms_busy_batches`` the mean timed step of the same
+       batches, so that step/busy compares like with like (a pool mixes buckets, each with its own kernel time);
     5. **graph count** (cache methods): continue over ``stream[steps:graph_batches]`` within
        ``graph_budget_s`` seconds; ``graphs`` is what the method recorded over the ``graph_batches`` batches
        it saw, ``predicted_graphs`` the distinct host signatures among them.
@@ -507,6 +579,7 @@ def measure(
     if pool < 1:
         raise ValueError("measure needs steps >= 1 and a non-empty stream")
     inputs: dict[int, Any] = {}
+    started = time.perf_counter()
 
     def run(i: int) -> None:
         if i not in inputs:
@@ -547,9 +620,14 @@ def measure(
     real_tokens = statistics.fmean(sum(stream[i].doc_lengths) for i in order)
     peak_timed = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
 
-    busy = copies = None
+    kernels = step_busy_batches = None
     if cuda and profile:
-        busy, copies = gpu_busy_ms(lambda: method.step(inputs[0]))
+        k = min(profile_steps, pool)
+        kernels = gpu_busy_ms(lambda i: method.step(inputs[i]), steps=k)
+        per_batch: dict[int, list[float]] = {}
+        for i, t in zip(order, times, strict=True):
+            per_batch.setdefault(i, []).append(t)
+        step_busy_batches = statistics.fmean(statistics.median(per_batch[i]) for i in range(k))
 
     graphs = graph_batches_seen = predicted = None
     if method.counts_graphs:
@@ -573,8 +651,12 @@ def measure(
         real_tokens_per_step=real_tokens,
         first_step_s=first_step_s,
         first_loss=first_loss,
-        gpu_busy_ms=busy,
-        gpu_copy_ms=copies,
+        gpu_busy_ms=kernels.busy_ms if kernels else None,
+        gpu_copy_ms=kernels.copy_ms if kernels else None,
+        busy_steps=kernels.steps if kernels else None,
+        step_ms_busy_batches=step_busy_batches,
+        gpu_busy_by_class=kernels.by_class if kernels else None,
+        top_kernels=kernels.top if kernels else None,
         graphs=graphs,
         graph_batches=graph_batches_seen,
         predicted_graphs=predicted,
@@ -582,6 +664,7 @@ def measure(
         peak_mem_mib=peak,
         peak_mem_timed_mib=peak_timed,
         peak_reserved_mib=peak_reserved,
+        elapsed_s=time.perf_counter() - started,
         extra=method.extra(),
     )
 

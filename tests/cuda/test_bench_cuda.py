@@ -1,0 +1,84 @@
+"""GPU: the pieces of ``packgraph bench`` that only run on CUDA.
+
+* ``packgraph-model+compile``: a ``torch.compile`` d model captured with scope ``"model"`` must give the losses
+  and grads of the same compiled model run eagerly (same fused kernels, so the tolerances of the eager-vs-graphed
+  GPT tests hold), across batches of several buckets, with one graph set per bucket.
+* ``gpu_busy_ms``: the per-step kernel time over several profiled steps must match one step's, and a matmul's
+  time must land in the ``gemm`` class.
+"""
+
+import dataclasses
+import itertools
+
+import torch
+
+from packgraph.bench_methods import gpu_busy_ms, make_method
+from packgraph.buckets import default_buckets
+from packgraph.models.gpt import GPT, GPTConfig
+from packgraph.train import DataStream, TrainConfig, corpus_documents
+
+T = 1024
+LOSS_ATOL = 1e-3
+GRAD_RTOL = 2e-2
+
+
+def _loss_and_grads(model, runner, batch):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        _, loss = runner(batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach().float().clone(), grads
+
+
+def test_compiled_model_captured_with_scope_model_equals_compiled_eager(report):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", d_model=128, n_layer=2, n_head=4, n_kv_head=2)).cuda()
+    policy = default_buckets(T)
+    method = make_method("packgraph-model+compile", model, policy, torch.device("cuda"))
+    cfg = TrainConfig(T=T, max_docs=40, seed=1)
+    batches = [b.to("cuda") for b in itertools.islice(DataStream(corpus_documents(cfg), T=T, policy=policy, seed=1), 6)]
+    buckets = {method.bucket_key(b) for b in batches}
+    assert len(buckets) >= 2, "the test needs batches of several buckets"
+    worst_loss = worst_grad = 0.0
+    for batch in batches:
+        # the reference: the same compiled model, eager, on the same bucketed params
+        params = policy.apply(batch.packed_seq_params).replace(host_offsets=None)
+        bucketed = dataclasses.replace(batch, packed_seq_params=params)
+        ref_loss, ref_grads = _loss_and_grads(model, model, bucketed)
+        for _ in range(2):  # capture (or first replay), then replay
+            loss, grads = _loss_and_grads(model, method.graphed, batch)
+            worst_loss = max(worst_loss, float((loss - ref_loss).abs()))
+            assert float((loss - ref_loss).abs()) <= LOSS_ATOL
+            for name, ref in ref_grads.items():
+                diff, scale = float((grads[name] - ref).abs().max()), float(ref.abs().max()) + 1e-6
+                worst_grad = max(worst_grad, diff / scale)
+                assert diff <= GRAD_RTOL * scale, (name, diff, scale)
+    assert method.graphs() == len(buckets)
+    report("packgraph-model+compile vs compiled eager: max |loss diff|", worst_loss)
+    report("packgraph-model+compile vs compiled eager: max grad diff / max |grad|", worst_grad)
+    report("packgraph-model+compile: graph sets / buckets", f"{method.graphs()} / {len(buckets)}")
+    method.close()
+
+
+def test_gpu_busy_ms_is_per_step_and_classifies_gemm(report):
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    calls = []
+
+    def step(i):
+        calls.append(i)
+        for _ in range(4):
+            a @ a
+
+    step(0)  # cuBLAS warm-up, outside the profile
+    calls.clear()
+    one = gpu_busy_ms(step, steps=1)
+    four = gpu_busy_ms(step, steps=4)
+    assert calls == [0, 0, 1, 2, 3]
+    assert four.steps == 4 and four.busy_ms > 0
+    assert abs(four.busy_ms - one.busy_ms) <= 0.25 * one.busy_ms, (four.busy_ms, one.busy_ms)
+    assert four.by_class.get("gemm", 0.0) >= 0.9 * four.busy_ms, four.by_class
+    assert four.top and four.top[0][1] <= four.busy_ms + 1e-9
+    report("gpu_busy_ms: 4 bf16 4096^3 matmuls, ms per step (1 / 4 steps)", f"{one.busy_ms:.3f} / {four.busy_ms:.3f}")
