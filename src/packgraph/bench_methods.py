@@ -64,6 +64,7 @@ __all__ = [
     "gpu_busy_ms",
     "kernel_class",
     "make_method",
+    "short_kernel_name",
     "measure",
     "padded_batch",
     "padded_loss",
@@ -444,7 +445,8 @@ def cudagraph_records() -> tuple[int, int] | None:
 KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     ("attention bwd", r"flash.*(bwd|backward)|(bwd|backward).*flash|fmha.*bwd"),
     ("attention fwd", r"flash|fmha"),
-    ("optimizer", r"multi_tensor|adam"),
+    ("optimizer", r"adam"),
+    ("foreach (grad buffers)", r"multi_tensor"),
     ("gemm", r"gemm|cutlass|nvjet|cublas|xmma|sm\d+_.*(tn|nt|nn|tt)"),
     ("inductor (triton)", r"^triton_"),
     ("reduction", r"reduce|norm|softmax|cross_entropy|nll_loss|sum_"),
@@ -455,6 +457,14 @@ KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
 that two methods' GPU-busy times can be compared class by class. Anything else is ``"other"``."""
 
 _CLASS_PATTERNS = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in KERNEL_CLASSES]
+
+
+_NOISE = re.compile(r"\bvoid |\(anonymous namespace\)::|at::native::|at::cuda::|pytorch_flash::|cutlass::")
+
+
+def short_kernel_name(name: str, limit: int = 160) -> str:
+    """``name`` without the namespaces that make kernel names long, cut at ``limit`` characters."""
+    return _NOISE.sub("", name)[:limit]
 
 
 def kernel_class(name: str) -> str:
@@ -468,7 +478,7 @@ class KernelProfile:
 
     ``busy_ms`` sums kernel durations (kernels inside CUDA graph replays included, as CUPTI reports them);
     ``copy_ms`` the memcpy/memset activities, which ``busy_ms`` excludes. ``by_class`` splits both by
-    :func:`kernel_class`; ``top`` lists the ``[name, ms]`` of the heaviest kernels (names cut at 96 chars).
+    :func:`kernel_class`; ``top`` lists the ``[name, ms]`` of the heaviest kernels (:func:`short_kernel_name`).
     """
 
     steps: int
@@ -503,7 +513,7 @@ def gpu_busy_ms(fn: Callable[[int], None], steps: int = 1, top: int = 12) -> Ker
         busy_ms=sum(by_name.values()) - copies,
         copy_ms=copies,
         by_class=dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
-        top=[[name[:96], ms] for name, ms in heaviest],
+        top=[[short_kernel_name(name), ms] for name, ms in heaviest],
     )
 
 

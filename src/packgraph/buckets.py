@@ -198,7 +198,7 @@ def default_buckets(total_tokens: int) -> BucketPolicy:
     while rung < total_tokens:
         seqlens.add(rung)
         rung *= 4
-    capacities = {min(c, total_tokens) for c in (8, 32, 128, 512)}
+    capacities = {min(c, total_tokens) for c in (2, 8, 32, 128, 512)}
     return BucketPolicy(tuple(sorted(seqlens)), tuple(sorted(capacities)))
 
 
