@@ -39,25 +39,29 @@ def plot_steps(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
     methods = [m for m in _METHOD_ORDER if any(r["method"] == m for r in ok)]
     fig, axes = plt.subplots(len(models), 1, figsize=(max(8, 1.6 * len(ok) / len(models)), 4 * len(models)))
     axes = [axes] if len(models) == 1 else list(axes)
-    width = 0.8 / len(methods)
+    colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}  # one color per method across panels
     for ax, model in zip(axes, models, strict=True):
-        cells = list(dict.fromkeys(record_key(r)[1:3] for r in ok if r["model"] == model))
-        for j, method in enumerate(methods):
+        mine = [r for r in ok if r["model"] == model]
+        cells = list(dict.fromkeys(record_key(r)[1:3] for r in mine))
+        present = [m for m in methods if any(r["method"] == m for r in mine)]  # adjacent bars in every panel
+        width = 0.8 / len(present)
+        for j, method in enumerate(present):
             xs, ys = [], []
             for i, cell in enumerate(cells):
-                r = next((r for r in ok if r["model"] == model and record_key(r)[1:] == (*cell, method)), None)
+                r = next((r for r in mine if record_key(r)[1:] == (*cell, method)), None)
                 if r is not None:
-                    xs.append(i + (j - (len(methods) - 1) / 2) * width)
+                    xs.append(i + (j - (len(present) - 1) / 2) * width)
                     ys.append(r["step_ms"])
                     if method == "packgraph" and r.get("gpu_busy_ms"):
                         ax.hlines(r["gpu_busy_ms"], xs[-1] - width / 2, xs[-1] + width / 2, colors="black")
-            ax.bar(xs, ys, width, label=method)
+            ax.bar(xs, ys, width, label=method, color=colors[method])
+        ax.set_ylim(bottom=min(r["step_ms"] for r in mine) / 3)  # a log axis from the shortest bar hides it
+        ax.legend(ncol=min(len(present), 4), fontsize="small")
         ax.set_xticks(range(len(cells)), [f"T={T}\n{mix}" for T, mix in cells])
         ax.set_yscale("log")
         ax.set_ylabel("step ms (fwd+bwd+AdamW)")
         ax.set_title(f"{model}: step time per method (black tick: packgraph GPU-busy)")
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(ncol=min(len(methods), 4), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
