@@ -1,13 +1,11 @@
 """The capture cache (packgraph.graphs.cache): LRU policy, logs, mismatch errors, output registry. CPU."""
 
 import logging
-import math
-import random
 
 import pytest
 import torch
 
-from packgraph.graphs.cache import FlightStack, GraphCache, GraphSignatureError, OutputRegistry
+from packgraph.graphs.cache import GraphCache, GraphSignatureError, OutputRegistry
 from packgraph.graphs.signature import CallSignature, ParamsPreparer, flatten_call
 from packgraph.params import PackedSeqParams, PackedSeqParamsError
 
@@ -83,63 +81,3 @@ def test_output_registry_tokens():
     assert reg.lookup(out, owner=2) == token
     reg.unregister(out, token)
     assert reg.lookup(out, owner=2) is None and len(reg) == 0
-
-
-class _Flight:
-    """A stand-in entry: capture numbers, a pool and whether its forward is still waiting for its backward."""
-
-    def __init__(self, fwd, freed=math.inf, pool=None):
-        self.fwd_seq, self.freed, self.pool, self.in_flight = fwd, freed, pool, True
-
-    def activations_freed_at(self):
-        return self.freed
-
-
-def _naive_hazard(entries, entry, seq):
-    return next(
-        (
-            o
-            for o in entries
-            if o is not entry
-            and o.in_flight
-            and o.pool is entry.pool
-            and (o.fwd_seq > seq or o.activations_freed_at() < seq)
-        ),
-        None,
-    )
-
-
-def test_flight_stack_matches_a_naive_scan():
-    rng = random.Random(0)
-    for _ in range(300):
-        stack, live = FlightStack(), []
-        for _ in range(rng.randint(1, 12)):
-            e = _Flight(rng.randint(1, 40), rng.choice([math.inf, rng.randint(1, 40)]), rng.choice([None, "p"]))
-            if rng.random() < 0.3 and live:
-                gone = rng.choice(live)
-                stack.pop(gone)  # a backward ran (usually the top; any entry works)
-                live.remove(gone)
-            stack.push(e)
-            live.append(e)
-            if rng.random() < 0.2:
-                e.in_flight = False  # its autograd graph was dropped
-        probe = _Flight(rng.randint(1, 40), pool=rng.choice([None, "p"]))
-        seq = rng.randint(1, 40)
-        assert stack.hazard(probe, seq) is _naive_hazard(live, probe, seq)
-        assert {id(e) for e in stack.entries()} <= {id(e) for e in live}
-
-
-def test_flight_stack_answers_a_model_order_from_the_top():
-    # A 4-layer stack captured in run order: forwards 1..4, backwards 5..8 in reverse (layer 3 first).
-    layers = [_Flight(k + 1, freed=8 - k) for k in range(4)]
-    stack = FlightStack()
-    for layer in layers:
-        assert stack.hazard(layer, layer.fwd_seq) is None
-        stack.push(layer)
-    for layer in reversed(layers):
-        stack.pop(layer)
-        assert stack.hazard(layer, layer.freed) is None
-    assert len(stack) == 0
-    later = _Flight(9)  # another signature, captured after the first set freed its activations
-    stack.push(layers[0])
-    assert stack.hazard(later, later.fwd_seq) is layers[0]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -189,56 +188,6 @@ class OutputRegistry:
         return len(self._by_ptr)
 
 
-class FlightStack:
-    """The entries of a group whose forward replayed and whose backward has not run, in replay order.
-
-    A model pushes its layers' forwards and pops their backwards in reverse, so each level keeps the running max
-    of ``fwd_seq`` and min of ``activations_freed_at()`` below it, and :meth:`hazard` answers from the top in O(1)
-    in that normal case. Entries are duck-typed: ``fwd_seq``, ``activations_freed_at()``, ``in_flight``, ``pool``.
-    """
-
-    def __init__(self) -> None:
-        self._stack: list[tuple[Any, float, float]] = []
-
-    def __len__(self) -> int:
-        return len(self._stack)
-
-    def entries(self) -> list[Any]:
-        return [e for e, _, _ in self._stack]
-
-    def push(self, entry: Any) -> None:
-        high, low = (self._stack[-1][1], self._stack[-1][2]) if self._stack else (0.0, math.inf)
-        self._stack.append((entry, max(high, entry.fwd_seq), min(low, entry.activations_freed_at())))
-
-    def pop(self, entry: Any) -> None:
-        if self._stack and self._stack[-1][0] is entry:
-            self._stack.pop()
-        elif any(e is entry for e, _, _ in self._stack):
-            self._rebuild([e for e, _, _ in self._stack if e is not entry])
-
-    def _rebuild(self, entries: list[Any]) -> None:
-        self._stack = []
-        for e in entries:
-            self.push(e)
-
-    def hazard(self, entry: Any, seq: int | None) -> Any:
-        """An entry still in flight that replaying ``entry``'s graph recorded at capture number ``seq`` could
-        overwrite (captured after ``seq``, or with activations freed before it), else None."""
-        if not self._stack or seq is None:
-            return None
-        _, high, low = self._stack[-1]
-        if high <= seq and low >= seq:
-            return None
-        live = [e for e, _, _ in self._stack if e.in_flight]  # drop forwards whose autograd graph is gone
-        self._rebuild(live)
-        for other in live:
-            if other is entry or other.pool is not entry.pool:
-                continue
-            if other.fwd_seq > seq or other.activations_freed_at() < seq:
-                return other
-        return None
-
-
 class CaptureGroup:
     """What callables captured together share.
 
@@ -248,7 +197,7 @@ class CaptureGroup:
         preparer: the :class:`~packgraph.graphs.signature.ParamsPreparer` (validation, buckets).
         chain: let a graph read another graph's static output in place (layer stacks).
 
-    ``next_seq()`` numbers the group's captures in order; ``flights`` holds the entries whose forward replayed and
+    ``next_seq()`` numbers the group's captures in order; ``in_flight`` holds the entries whose forward replayed and
     whose backward has not run yet (see :mod:`packgraph.graphs.entry` for why both matter when activation memory
     is shared).
     """
@@ -259,7 +208,7 @@ class CaptureGroup:
         self.chain = chain
         self.outputs = OutputRegistry() if chain else None
         self._seq = itertools.count(1)
-        self.flights = FlightStack()
+        self.in_flight: dict[int, Any] = {}
 
     def next_seq(self) -> int:
         return next(self._seq)

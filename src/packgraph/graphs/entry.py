@@ -19,7 +19,7 @@ them instead of one each. The price is an order rule: replaying a graph recorded
 overwrite (a) anything captured after ``s`` and (b) activations freed before ``s``. Neither matters when a model
 runs as it is captured (each forward's backward before the next step's forwards), but it would silently corrupt
 a graph whose forward replayed and whose backward has not run yet. The group tracks those entries
-(``flights``) and :func:`check_replay_order` raises :class:`GraphOrderError` before such a replay.
+(``in_flight``) and :func:`check_replay_order` raises :class:`GraphOrderError` before such a replay.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Entry:
         # pool may hand it that graph's activations.
         self.pool: Any = None
         recorder = owner.group.recorder
-        if any(o.in_flight and o.activations_freed_at() < math.inf for o in owner.group.flights.entries()):
+        if any(o.in_flight and o.activations_freed_at() < math.inf for o in owner.group.in_flight.values()):
             self.pool = recorder.new_pool() if hasattr(recorder, "new_pool") else None
         self.tokens: list[tuple[Tensor, int]] = []
         self.capture_seconds = 0.0
@@ -389,15 +389,23 @@ def explained_capture_errors(entry: Entry) -> Iterator[None]:
 def check_replay_order(entry: Entry, seq: int | None, what: str) -> None:
     """Raise :class:`GraphOrderError` if replaying ``entry``'s graph recorded at capture number ``seq`` could
     overwrite memory of a graph of the group whose backward has not run yet (module docstring)."""
-    other = entry.owner.group.flights.hazard(entry, seq)
-    if other is not None:
-        raise GraphOrderError(
-            f"{entry.owner.name}: replaying this {what} graph now could overwrite the saved activations or "
-            f"outputs of {other.owner.name} (a graph of the same memory pool, captured at another time), whose "
-            "forward ran and whose backward has not. Run that backward first, wrap forwards that need no "
-            "backward in torch.no_grad(), or capture with share_activations=False (each signature keeps its own "
-            "activations: more memory, fewer such conflicts)."
-        )
+    flights = entry.owner.group.in_flight
+    if not flights:
+        return
+    for key, other in list(flights.items()):
+        if other is entry or other.pool is not entry.pool:
+            continue
+        if not other.in_flight:  # its autograd graph was dropped: its backward will never run
+            del flights[key]
+            continue
+        if seq is not None and (other.fwd_seq > seq or other.activations_freed_at() < seq):
+            raise GraphOrderError(
+                f"{entry.owner.name}: replaying this {what} graph now could overwrite the saved activations or "
+                f"outputs of {other.owner.name} (a graph of the same memory pool, captured at another time), "
+                "whose forward ran and whose backward has not. Run that backward first, wrap forwards that need "
+                "no backward in torch.no_grad(), or capture with share_activations=False (each signature keeps "
+                "its own activations: more memory, fewer such conflicts)."
+            )
 
 
 _OUT = object()  # marks a tensor slot in an output template
@@ -438,7 +446,7 @@ class Replay(torch.autograd.Function):
         entry.load(dyn)
         entry.fwd_graph.replay()
         entry.flight = weakref.ref(ctx)
-        entry.owner.group.flights.push(entry)
+        entry.owner.group.in_flight[id(entry)] = entry
         ctx.entry = entry
         ctx.set_materialize_grads(False)
         n_in = len(entry.grad_positions)
@@ -453,7 +461,7 @@ class Replay(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor) -> tuple:
         entry = ctx.entry
         entry.flight = None
-        entry.owner.group.flights.pop(entry)
+        entry.owner.group.in_flight.pop(id(entry), None)
         if entry.bwd_graph is None:
             entry.capture_backward_late()
         check_replay_order(entry, entry.bwd_seq, "backward")
