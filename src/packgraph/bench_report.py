@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -375,6 +375,16 @@ def _verdict(name: str, checks: list[tuple[bool, str]]) -> dict[str, Any]:
     return {"target": name, "met": all(ok for ok, _ in checks), "detail": "; ".join(d for _, d in checks)}
 
 
+def _packgraph_vs_eager(
+    by_cell: Mapping[tuple, Mapping[str, Mapping[str, Any]]], field: str
+) -> Iterator[tuple[Mapping[str, Any], Mapping[str, Any], float]]:
+    """``(packgraph record, eager record, packgraph / eager)`` of ``field``, for each cell where both have it."""
+    for m in by_cell.values():
+        pg, eager = m.get("packgraph"), m.get("eager")
+        if pg and eager and pg.get(field) and eager.get(field):
+            yield pg, eager, pg[field] / eager[field]
+
+
 def check_targets(results_json: str | Path | Mapping[str, Any]) -> list[dict[str, Any]]:
     """Evaluate the benchmark issue's targets: ``[{target, met (True/False/None = not measured), detail}]``."""
     doc = load_results(results_json)
@@ -396,13 +406,10 @@ def check_targets(results_json: str | Path | Mapping[str, Any]) -> list[dict[str
         out.append(_verdict(f"small, T<=4096: {method} step <= {limit}x GPU-busy", checks))
 
     checks = []
-    for m in by_cell.values():
-        pg, eager = m.get("packgraph"), m.get("eager")
-        if pg and eager and pg.get("gpu_busy_ms") and eager.get("gpu_busy_ms"):
-            ratio = pg["gpu_busy_ms"] / eager["gpu_busy_ms"]
-            detail = f"{_cell(pg)}: busy {pg['gpu_busy_ms']:.2f} / {eager['gpu_busy_ms']:.2f} ms = {ratio:.3f}x eager"
-            why = busy_delta(pg, eager)
-            checks.append((ratio <= 1.05, detail + (f" ({why})" if why else "")))
+    for pg, eager, ratio in _packgraph_vs_eager(by_cell, "gpu_busy_ms"):
+        detail = f"{_cell(pg)}: busy {pg['gpu_busy_ms']:.2f} / {eager['gpu_busy_ms']:.2f} ms = {ratio:.3f}x eager"
+        why = busy_delta(pg, eager)
+        checks.append((ratio <= 1.05, detail + (f" ({why})" if why else "")))
     out.append(_verdict("GPU-busy under default buckets <= 1.05x eager's (true max_seqlen)", checks))
 
     checks = []
@@ -441,14 +448,11 @@ def check_targets(results_json: str | Path | Mapping[str, Any]) -> list[dict[str
     out.append(_verdict("<= 8 graphs over the varied batches (200 in a full run)", checks_graphs))
 
     checks = []
-    for m in by_cell.values():
-        pg, eager = m.get("packgraph"), m.get("eager")
-        if pg and eager and pg.get("peak_mem_mib") and eager.get("peak_mem_mib"):
-            ratio = pg["peak_mem_mib"] / eager["peak_mem_mib"]
-            detail = f"{_cell(pg)}: {pg['peak_mem_mib']:.0f} MiB = {ratio:.2f}x eager"
-            if pg.get("peak_reserved_mib") and eager.get("peak_reserved_mib"):
-                detail += f" (reserved {pg['peak_reserved_mib'] / eager['peak_reserved_mib']:.2f}x)"
-            checks.append((ratio <= 1.10, detail))
+    for pg, eager, ratio in _packgraph_vs_eager(by_cell, "peak_mem_mib"):
+        detail = f"{_cell(pg)}: {pg['peak_mem_mib']:.0f} MiB = {ratio:.2f}x eager"
+        if pg.get("peak_reserved_mib") and eager.get("peak_reserved_mib"):
+            detail += f" (reserved {pg['peak_reserved_mib'] / eager['peak_reserved_mib']:.2f}x)"
+        checks.append((ratio <= 1.10, detail))
     out.append(_verdict("packgraph peak memory <= 1.10x eager", checks))
 
     checks = []

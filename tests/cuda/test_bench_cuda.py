@@ -20,21 +20,10 @@ from packgraph.bench_methods import make_method
 from packgraph.buckets import default_buckets
 from packgraph.models.gpt import GPT, GPTConfig
 from packgraph.packing import PackedBatch
+from tests.cuda.test_gpt_cuda import GRAD_RTOL, LOSS_ATOL, loss_and_grads
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 T = 1024
-LOSS_ATOL = 1e-3
-GRAD_RTOL = 2e-2
-
-
-def _loss_and_grads(model, runner, batch):
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-        _, loss = runner(batch)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return loss.detach().float().clone(), grads
 
 
 def test_compiled_model_captured_with_scope_model_equals_compiled_eager(report):
@@ -55,9 +44,9 @@ def test_compiled_model_captured_with_scope_model_equals_compiled_eager(report):
         # the reference: the same compiled model, eager, on the same bucketed params
         params = policy.apply(batch.packed_seq_params).replace(host_offsets=None)
         bucketed = dataclasses.replace(batch, packed_seq_params=params)
-        ref_loss, ref_grads = _loss_and_grads(model, model, bucketed)
+        ref_loss, ref_grads = loss_and_grads(model, model, bucketed)
         for _ in range(2):  # capture (or first replay), then replay
-            loss, grads = _loss_and_grads(model, method.graphed, batch)
+            loss, grads = loss_and_grads(model, method.graphed, batch)
             worst_loss = max(worst_loss, float((loss - ref_loss).abs()))
             assert float((loss - ref_loss).abs()) <= LOSS_ATOL
             for name, ref in ref_grads.items():
