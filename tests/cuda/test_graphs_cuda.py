@@ -9,7 +9,9 @@ another algorithm under capture). Forward: ``max |graphed - eager| <= 1e-2`` (ou
 is 2^-7). Grads (input and every parameter): ``max |graphed - eager| <= 2e-2 * max |eager|`` per tensor. No NaN/Inf.
 """
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -303,6 +305,61 @@ def test_invalid_params_are_rejected_before_any_copy_and_the_graph_keeps_working
         for a, b in zip(grads_g, grads_e, strict=True):
             assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() <= GRAD_RTOL
     assert graphed.captures == 1 and sync_graphed.captures == 1
+
+
+class _DropsAGraphWhenCaptured(nn.Module):
+    """``block``, whose call under a capture turns ``garbage.pop()`` (a captured CUDA graph and its output) into
+    cyclic garbage as it returns."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.block = block
+        self.garbage: list[list] = []
+
+    def forward(self, x: torch.Tensor, p: PackedSeqParams) -> torch.Tensor:
+        y = self.block(x, p)
+        if self.garbage and torch.cuda.is_current_stream_capturing():
+            # A new list, made last: it is still in the youngest generation (the next collection's) when this
+            # frame returns and it becomes unreachable. Only the cyclic collector frees it.
+            cycle = list(self.garbage.pop())
+            cycle.append(cycle)
+        return y
+
+
+def test_a_collection_that_frees_an_old_graph_mid_capture_does_not_break_the_capture():
+    # Earlier suite runs failed at random with "operation failed due to a previous error during capture": the
+    # collector ran inside a capture and freed garbage CUDA graphs of earlier tests (stderr showed "operation not
+    # permitted when stream is capturing (function reset)"). Here that happens on purpose: a captured graph
+    # becomes garbage inside the forward capture, and the collector runs at every allocation.
+    old = torch.cuda.CUDAGraph()
+    buf = torch.zeros(8, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        buf.mul(2)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(old):
+        out = buf * 2  # lives in the graph's private pool
+    freed = weakref.ref(old)
+    module = _DropsAGraphWhenCaptured(_block())
+    module.garbage.append([old, out])
+    del old, out
+    p = PackedSeqParams.from_seqlens([600, 100, 3], capacity=CAPACITY, total_tokens=T, max_seqlen=T, device=DEV)
+    x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
+    dy = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        graphed = capture(module, (x.clone().requires_grad_(), p))
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    assert not module.garbage and freed() is None  # the old graph did become garbage during the capture
+    y_g, grads_g = _fwd_bwd(module.block, graphed, x, p, dy)
+    y_e, grads_e = _fwd_bwd(module.block, module, x, p, dy)
+    assert (y_g.float() - y_e.float()).abs().max().item() <= FWD_TOL
+    for a, b in zip(grads_g, grads_e, strict=True):
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() <= GRAD_RTOL
 
 
 def test_debug_validation_runs_device_asserts_inside_the_graph():

@@ -109,6 +109,7 @@ class CudaRecorder:
         previous = torch.cuda.current_stream(self.device)
         try:
             with (
+                safety.gc_paused(),  # a collection freeing an old graph would invalidate this capture
                 torch.cuda.graph(
                     graph, pool=self.pool if pool is None else pool, stream=self.stream, **safety.CAPTURE_KWARGS
                 ),

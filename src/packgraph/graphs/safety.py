@@ -15,18 +15,27 @@ this constantly: Megatron's unfused THD RoPE walks ``cu_seqlens.tolist()``, and 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
 import os
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
 
-__all__ = ["HostSync", "GraphCaptureError", "find_host_syncs", "explain_capture_failure", "is_capture_error"]
+__all__ = [
+    "HostSync",
+    "GraphCaptureError",
+    "find_host_syncs",
+    "explain_capture_failure",
+    "gc_paused",
+    "is_capture_error",
+]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _ENGINE_DIR = os.path.dirname(__file__) + os.sep
@@ -42,6 +51,25 @@ CAPTURE_KWARGS: dict[str, Any] = (
     if "capture_error_mode" in inspect.signature(torch.cuda.graph.__init__).parameters
     else {}
 )
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Keep Python's cyclic garbage collector from running inside a capture (it runs again on exit).
+
+    A collection frees whatever reference cycles became garbage, ``torch.cuda.CUDAGraph`` objects of earlier
+    models or captures among them. Freeing a graph destroys its executable graph, a call CUDA forbids while this
+    thread captures ("operation not permitted when stream is capturing (function reset)"): the capture is
+    invalidated and fails at a later kernel, "operation failed due to a previous error during capture" or
+    ``CUBLAS_STATUS_EXECUTION_FAILED``, at a point that depends on when the collector happens to run.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -323,7 +351,7 @@ def _attempt_capture(fn: Callable, args: tuple, kwargs: dict, stream: torch.cuda
     pool = torch.cuda.graph_pool_handle()
     previous = torch.cuda.current_stream()
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream, **CAPTURE_KWARGS):
+        with gc_paused(), torch.cuda.graph(graph, pool=pool, stream=stream, **CAPTURE_KWARGS):
             fn(*args, **kwargs)
     except Exception as exc:
         recover_after_failed_capture(previous, previous.device, pool)
