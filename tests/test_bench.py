@@ -416,3 +416,19 @@ def test_ladder_evaluation_and_recommendation():
     assert best["ladder"] == "max_seqlen x4 from 256 / capacity 32,512"
     assert best["buckets"] == 4 and best["worst_ratio"] == 1.05
     assert recommend_ladder(summary.values(), limit=1.0)[1024] is None
+
+
+def test_time_limit_skips_the_units_not_started_and_still_writes_the_results(tmp_path):
+    # A limit already passed when the matrix starts: every unit is recorded as skipped (none is lost from the
+    # JSON, none is measured), and the table and the JSON are written as after a complete run.
+    argv = ["--dry-run", "--out", str(tmp_path), "--methods", "eager,padded", "--no-attention", "--time-limit-s", "0"]
+    status = bench.main(argv)
+    assert status == 1  # nothing was measured
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["runs"][0]["config"]["time_limit_s"] == 0 and doc["runs"][0]["finished"]
+    records = doc["records"]
+    expected = {(mix, method) for mix in ("corpus", "short") for method in ("eager", "padded")}
+    assert {(r["mix"], r["method"]) for r in records} == expected
+    for r in records:
+        assert r["status"] == "skipped" and "time limit (0 s)" in r["error"] and r["step_ms"] is None
+    assert "time limit" in (tmp_path / "results.md").read_text()

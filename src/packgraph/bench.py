@@ -95,7 +95,9 @@ PRESETS: dict[str, dict[str, Any]] = {
             ["small", 8192, "corpus", ["eager", "padded", "packgraph"]],
             # the GPU-bound cell: the compiled whole model captured by packgraph against compile-RO
             ["medium", 8192, "corpus", ["eager", "packgraph", "packgraph-model+compile", "compile-ro"]],
-            ["large", 16384, "corpus", ["eager", "packgraph"]],
+            # T=8192, not 16384: the H200 run of 2026-11-29 spent 34 s on large T=16384 eager alone (649 ms/step)
+            # and was stopped at its 588 s limit in the packgraph record that followed
+            ["large", 8192, "corpus", ["eager", "packgraph"]],
         ],
         steps=20,
         warmup=3,
@@ -105,6 +107,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         graph_budget_s=8.0,
         attention=dict(T=[8192, 16384], mixes=list(MIXES), head_dims=[64, 128], heads=16, packings=2, reps=5),
         max_corpus_docs=None,
+        # a safety net under the device's 600 s per command: units not started by then are recorded as skipped,
+        # and the run still writes its table and plots
+        time_limit_s=570.0,
     ),
     "dry-run": dict(
         models=["tiny"],
@@ -191,8 +196,9 @@ def default_out_dir(device: torch.device, dry_run: bool) -> Path:
 class _Progress:
     """tqdm when installed, else one line per unit."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, time_limit_s: float | None = None) -> None:
         self._bar = None
+        self.time_limit_s = time_limit_s
         if sys.stderr.isatty():  # a log file gets plain lines, not carriage-return redraws
             try:
                 from tqdm.auto import tqdm
@@ -209,6 +215,10 @@ class _Progress:
         else:
             elapsed = time.perf_counter() - self.started
             print(f"[bench {self.done}/{self.total} +{elapsed:.0f}s] {text}", file=sys.stderr, flush=True)
+
+    def out_of_time(self) -> bool:
+        """Whether the run's time limit has passed (units not started by then are skipped)."""
+        return self.time_limit_s is not None and time.perf_counter() - self.started > self.time_limit_s
 
     def advance(self) -> None:
         self.done += 1
@@ -294,7 +304,7 @@ def run_bench(cfg: dict[str, Any], out: Path, argv: Sequence[str], device: torch
     att = cfg["attention"]
     n_att = len(att["T"]) * len(att["mixes"]) * len(att["head_dims"]) * att["packings"] if cfg["run_attention"] else 0
     n_cells = sum(len(methods) for *_, methods in cfg["cells"]) if cfg["run_matrix"] else 0
-    progress = _Progress(n_cells + n_att)
+    progress = _Progress(n_cells + n_att, time_limit_s=cfg.get("time_limit_s"))
     try:
         # the attention sweep is short: run it first, so a run cut short by a time limit still has it
         if cfg["run_attention"]:
@@ -322,7 +332,11 @@ def _run_matrix(cfg: dict, doc: dict, out: Path, device: torch.device, run: int,
         stream = streams[T, mix]
         for method in methods:
             progress.describe(f"{model_name} T={T} {mix} {method}")
-            record = _run_one(model_name, T, mix, method, stream, policy, cfg, device, run)
+            if progress.out_of_time():
+                why = f"not run: the run's time limit ({cfg['time_limit_s']:.0f} s) had passed"
+                record = _error_record(model_name, T, mix, method, device, why, run) | {"status": "skipped"}
+            else:
+                record = _run_one(model_name, T, mix, method, stream, policy, cfg, device, run)
             _merge(doc["records"], record, record_key)
             save(doc, out)
             line = f"{model_name} T={T} {mix} {method}: "
@@ -478,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-batches", type=int, help="varied batches over which graphs are counted")
     p.add_argument("--graph-budget-s", type=float, help="time cap of the graph-count phase per method")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler GPU-busy step")
+    p.add_argument(
+        "--time-limit-s", type=float, help="skip the units not started after this many seconds (they are recorded)"
+    )
     att = p.add_mutually_exclusive_group()
     att.add_argument(
         "--attention", action="store_true", help="also run the attention micro-benchmark (default with --quick)"
@@ -499,7 +516,9 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     name = "dry-run" if args.dry_run else "full" if args.full else "standard" if args.standard else "quick"
     cfg = json.loads(json.dumps(PRESETS[name]))  # a deep copy
     cfg["preset"] = name
-    for key in ("models", "T", "mixes", "methods", "steps", "warmup", "graph_batches", "graph_budget_s"):
+    cfg.setdefault("time_limit_s", None)
+    flags = ("models", "T", "mixes", "methods", "steps", "warmup", "graph_batches", "graph_budget_s", "time_limit_s")
+    for key in flags:
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if args.cell:
