@@ -109,7 +109,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_corpus_docs=None,
         # a safety net under the device's 600 s per command: units not started by then are recorded as skipped,
         # and the run still writes its table and plots
-        time_limit_s=570.0,
+        time_limit_s=550.0,
     ),
     "dry-run": dict(
         models=["tiny"],
