@@ -180,23 +180,23 @@ def default_buckets(total_tokens: int) -> BucketPolicy:
 
     * max_seqlen: ``256, 1024, 4096, ...`` (x4) below ``total_tokens``, then ``total_tokens`` itself (a document
       can never be longer than the batch);
-    * capacity: ``(2, 8, 32, 128, 512)``, each capped at ``total_tokens``.
+    * capacity: ``(8, 32, 128, 512)``, each capped at ``total_tokens``.
 
     Chosen from the attention micro-benchmark (``packgraph bench --attention-only``; H200, torch 2.11, FA2
     varlen fwd+bwd timed as CUDA-graph replays, T=8192, corpus/short/long mixes, head_dim 64 and 128, 18
     packings; bench/results/2026-11-29-h200-run4/). Against eager's exact (true max_seqlen, true count): this
-    ladder without its capacity rung 2 (16 buckets at T=8192; 20 with it) is at most 1.060x (mean 1.025x); x2
-    max_seqlen rungs from 256 (24 buckets) gain nothing (1.060x worst); x2 capacity rungs from 8 (28 buckets)
-    reach 1.035x worst; the naive static choice (max_seqlen T, capacity 512) is up to 11.4x slower. Ghost slots
-    cost ``ceil(max_seqlen / 128) x heads`` empty FlashAttention blocks each, so capacity and max_seqlen rungs
-    must both stay close to the batch.
+    ladder (16 buckets at T=8192) is at most 1.060x (mean 1.025x); x2 max_seqlen rungs from 256 (24 buckets)
+    gain nothing (1.060x worst); x2 capacity rungs from 8 (28 buckets) reach 1.035x worst; the naive static
+    choice (max_seqlen T, capacity 512) is up to 11.4x slower. Ghost slots cost ``ceil(max_seqlen / 128) x
+    heads`` empty FlashAttention blocks each, so capacity and max_seqlen rungs must both stay close to the batch.
 
-    The capacity rung 2, added later (the sweep above has no such rung), serves batches of one or two long
-    documents (the corpus at T=2048: 1.1 per batch). With 8 as the lowest rung, `small` T=2048 corpus spent
-    1.099 ms/step in FA2's backward against eager's 0.986 (bench/results/2026-11-29-h200-standard-2/); with the
-    rung 2, 1.098 against 1.094, in one run side by side (bench/results/2026-11-29-h200-capacity2-probe/). Its
-    forward stayed slower (0.820 vs 0.631 ms/step) and the two runs measure that cell with 1 and 2 graphs over
-    their batches.
+    A capacity rung 2 was tried and taken out again: it splits batches of one and two documents (the corpus at
+    T=2048 has 1.1 per batch) into two buckets. Measured in two ``--standard`` runs on the H200, small T=2048
+    corpus, without it / with it (2026-11-29-h200-standard-2 / -standard-3): graphs over 200 batches 1 / 2,
+    packgraph peak memory 0.84x / 1.29x eager's, GPU-busy 1.058x / 1.062x eager's (no gain; the two runs
+    profile differently, see their notes), and every bucketed torch.compile method compiles once per bucket,
+    twice as often. In the attention sweep of the
+    second run (T=8192) it left the worst ratio at 1.049x and moved the mean from 1.025x to 1.014x.
     """
     if total_tokens < 1:
         raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
@@ -205,7 +205,7 @@ def default_buckets(total_tokens: int) -> BucketPolicy:
     while rung < total_tokens:
         seqlens.add(rung)
         rung *= 4
-    capacities = {min(c, total_tokens) for c in (2, 8, 32, 128, 512)}
+    capacities = {min(c, total_tokens) for c in (8, 32, 128, 512)}
     return BucketPolicy(tuple(sorted(seqlens)), tuple(sorted(capacities)))
 
 
