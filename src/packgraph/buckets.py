@@ -191,12 +191,13 @@ def default_buckets(total_tokens: int) -> BucketPolicy:
     heads`` empty FlashAttention blocks each, so capacity and max_seqlen rungs must both stay close to the batch.
 
     A capacity rung 2 was tried and taken out again: it splits batches of one and two documents (the corpus at
-    T=2048 has 1.1 per batch) into two buckets. Measured in two ``--standard`` runs on the H200, small T=2048
-    corpus, without it / with it (2026-11-29-h200-standard-2 / -standard-3): graphs over 200 batches 1 / 2,
-    packgraph peak memory 0.84x / 1.29x eager's, GPU-busy 1.058x / 1.062x eager's (no gain; the two runs
-    profile differently, see their notes), and every bucketed torch.compile method compiles once per bucket,
-    twice as often. In the attention sweep of the
-    second run (T=8192) it left the worst ratio at 1.049x and moved the mean from 1.025x to 1.014x.
+    T=2048 has 1.1 per batch) into two buckets. Two ``--standard`` runs on the H200, same profiler, small T=2048
+    corpus, with it / without it (2026-11-29-h200-standard-3 / -standard-4): graphs over 200 batches 2 / 1;
+    packgraph peak memory 1.29x / 0.84x eager's; GPU-busy 1.062x / 1.074x eager's. The rung recovers FA2's
+    backward (1.092 / 1.246 ms per step, eager 1.08-1.09), but neither meets 1.05x: the larger part is the grad
+    handoff (0.33 ms) and FA2's forward (0.79-0.81 ms, eager 0.62). It also made every bucketed torch.compile
+    method compile twice as often. In the attention sweep of the first run (T=8192) it left the worst ratio at
+    1.049x and moved the mean from 1.025x to 1.014x.
     """
     if total_tokens < 1:
         raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
