@@ -36,6 +36,7 @@ RECORD_TYPES = {
     "speedup_vs_eager": OPT_NUM,
     "gpu_busy_ms": OPT_NUM,
     "gpu_copy_ms": OPT_NUM,
+    "kernels_per_step": OPT_NUM,
     "busy_steps": (int, type(None)),
     "step_ms_busy_batches": OPT_NUM,
     "gpu_busy_by_class": (dict, type(None)),
@@ -344,6 +345,7 @@ def test_busy_split_drives_step_over_busy_and_the_busy_target_detail():
     eager["gpu_busy_by_class"] = {"gemm": 3.0, "attention fwd": 0.5, "elementwise": 0.5, "memcpy/memset": 0.1}
     pg["gpu_busy_by_class"] = {"gemm": 3.0, "attention fwd": 0.8, "elementwise": 0.6, "memcpy/memset": 0.3}
     eager["busy_steps"] = pg["busy_steps"] = 8
+    pg["kernels_per_step"] = 2170.0
     pg["step_ms_busy_batches"] = 4.84  # the profiled batches' mean step, not the pool's median
     doc = _doc([eager, pg])
     assert pg["step_over_busy"] == pytest.approx(4.84 / 4.4)
@@ -363,6 +365,7 @@ def test_busy_split_drives_step_over_busy_and_the_busy_target_detail():
         "mix",
         "method",
         "steps",
+        "kernels/step",
         "gemm",
         "attention fwd",
         "elementwise",
@@ -371,6 +374,7 @@ def test_busy_split_drives_step_over_busy_and_the_busy_target_detail():
     assert [c.strip() for c in table[3].strip("|").split("|")][3:] == [
         "packgraph",
         "8",
+        "2170",
         "3.000",
         "0.800",
         "0.600",

@@ -477,13 +477,16 @@ class KernelProfile:
     """Device time of some steps under ``torch.profiler``, per step (ms): kernels, copies/memsets, by class.
 
     ``busy_ms`` sums kernel durations (kernels inside CUDA graph replays included, as CUPTI reports them);
-    ``copy_ms`` the memcpy/memset activities, which ``busy_ms`` excludes. ``by_class`` splits both by
-    :func:`kernel_class`; ``top`` lists the ``[name, ms]`` of the heaviest kernels (:func:`short_kernel_name`).
+    ``copy_ms`` the memcpy/memset activities, which ``busy_ms`` excludes. ``kernels`` counts the kernels per
+    step (copies excluded): with ``step / busy`` it tells the idle time per kernel boundary, the launch gaps a
+    CUDA graph still has between its kernels. ``by_class`` splits the times by :func:`kernel_class`; ``top``
+    lists the ``[name, ms]`` of the heaviest kernels (:func:`short_kernel_name`).
     """
 
     steps: int
     busy_ms: float
     copy_ms: float
+    kernels: float
     by_class: dict[str, float]
     top: list[list[Any]]
 
@@ -506,9 +509,11 @@ def gpu_busy_ms(fn: Callable[[int], None], steps: int = 1, top: int = 12) -> Ker
             fn(i)
         torch.cuda.synchronize()
     by_name: dict[str, float] = {}
+    kernels = 0
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
             by_name[event.name] = by_name.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3 / steps
+            kernels += kernel_class(event.name) != "memcpy/memset"
     by_class: dict[str, float] = {}
     for name, ms in by_name.items():
         cls = kernel_class(name)
@@ -519,6 +524,7 @@ def gpu_busy_ms(fn: Callable[[int], None], steps: int = 1, top: int = 12) -> Ker
         steps=steps,
         busy_ms=sum(by_name.values()) - copies,
         copy_ms=copies,
+        kernels=kernels / steps,
         by_class=dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
         top=[[short_kernel_name(name), ms] for name, ms in heaviest],
     )
@@ -538,6 +544,7 @@ class Measurement:
     first_loss: float
     gpu_busy_ms: float | None
     gpu_copy_ms: float | None
+    kernels_per_step: float | None
     busy_steps: int | None
     step_ms_busy_batches: float | None
     gpu_busy_by_class: dict[str, float] | None
@@ -670,6 +677,7 @@ def measure(
         first_loss=first_loss,
         gpu_busy_ms=kernels.busy_ms if kernels else None,
         gpu_copy_ms=kernels.copy_ms if kernels else None,
+        kernels_per_step=kernels.kernels if kernels else None,
         busy_steps=kernels.steps if kernels else None,
         step_ms_busy_batches=step_busy_batches,
         gpu_busy_by_class=kernels.by_class if kernels else None,

@@ -48,6 +48,7 @@ RECORD_FIELDS: dict[str, tuple[type, ...]] = {
     "speedup_vs_eager": (float, type(None)),
     "gpu_busy_ms": (float, type(None)),
     "gpu_copy_ms": (float, type(None)),
+    "kernels_per_step": (float, type(None)),
     "busy_steps": (int, type(None)),
     "step_ms_busy_batches": (float, type(None)),
     "gpu_busy_by_class": (dict, type(None)),
@@ -230,7 +231,7 @@ def kernel_class_table(records: Iterable[Mapping[str, Any]]) -> str:
         for cls, ms in r["gpu_busy_by_class"].items():
             totals[cls] = totals.get(cls, 0.0) + ms
     classes = sorted(totals, key=lambda c: -totals[c])
-    header = ("model", "T", "mix", "method", "steps", *classes)
+    header = ("model", "T", "mix", "method", "steps", "kernels/step", *classes)
     rows = [
         (
             r["model"],
@@ -238,6 +239,7 @@ def kernel_class_table(records: Iterable[Mapping[str, Any]]) -> str:
             r["mix"],
             r["method"],
             _fmt(r.get("busy_steps")),
+            _fmt(r.get("kernels_per_step"), ".0f"),
             *(_fmt(r["gpu_busy_by_class"].get(c), ".3f") for c in classes),
         )
         for r in profiled

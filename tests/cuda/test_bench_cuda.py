@@ -73,7 +73,7 @@ step(0)  # cuBLAS warm-up, outside the profile
 calls.clear()
 one, four = gpu_busy_ms(step, steps=1), gpu_busy_ms(step, steps=4)
 print(json.dumps(dict(calls=calls, one=one.busy_ms, four=four.busy_ms, steps=four.steps, by_class=four.by_class,
-                      top=four.top)))
+                      top=four.top, kernels=[one.kernels, four.kernels])))
 """
 
 
@@ -90,4 +90,6 @@ def test_gpu_busy_ms_is_per_step_and_classifies_gemm(report):
     assert abs(four - one) <= 0.25 * one, (four, one)
     assert out["by_class"].get("gemm", 0.0) >= 0.9 * four, out["by_class"]
     assert out["top"] and out["top"][0][1] <= four + 1e-9
+    k1, k4 = out["kernels"]
+    assert k1 == k4 >= 4 and k1 == int(k1), out["kernels"]  # per step, at least one kernel per matmul
     report("gpu_busy_ms: 4 bf16 4096^3 matmuls, ms per step (1 / 4 steps)", f"{one:.3f} / {four:.3f}")
