@@ -17,7 +17,7 @@ class EagerRecorder:
     def check_input(self, t):
         pass
 
-    def warmup(self, run, iters):
+    def warmup(self, run, iters, pool=None):
         for _ in range(iters):
             run()
 

@@ -21,7 +21,8 @@ import packgraph.graphs as graphs
 from packgraph.buckets import default_buckets
 from packgraph.graphs import GraphSignatureError
 from packgraph.graphs.capture import capture_layers_with, capture_with
-from packgraph.graphs.entry import Entry, GraphOrderError
+from packgraph.graphs.entry import Entry
+from packgraph.graphs.order import GraphOrderError
 from packgraph.models.gpt import Block, GPTConfig
 from packgraph.ops import varlen_attention
 from packgraph.params import PackedSeqParams, PackedSeqParamsError
@@ -40,7 +41,7 @@ class NullGraph:
 class NullRecorder(EagerRecorder):
     """Records nothing: replays are free, so what is left of a call is the engine's own host work."""
 
-    def warmup(self, run, iters):
+    def warmup(self, run, iters, pool=None):
         run()
 
     def record(self, body, pool=None):
@@ -162,17 +163,18 @@ def test_param_grads_accumulate_like_eager_microbatches():
         graphed(_x(i), p).sum().backward()
     for q, ref in zip(block.parameters(), eager, strict=True):
         torch.testing.assert_close(q.grad, ref)
-    # zero_grad(set_to_none=True) then one step: one step's grads, in the same persistent buffer
-    buffers = [q.grad for q in block.parameters()]
+    # zero_grad(set_to_none=True) then one step: one step's grads, adopted from the graph's memory (no copy: the
+    # same addresses step after step)
     block.zero_grad(set_to_none=True)
     graphed(_x(0), p).sum().backward()
+    addresses = [q.grad.data_ptr() for q in block.parameters()]
     block.zero_grad(set_to_none=True)  # eager reference for one step, into fresh tensors
     block(_x(0), p).sum().backward()
     one = [q.grad.clone() for q in block.parameters()]
     block.zero_grad(set_to_none=True)
     graphed(_x(0), p).sum().backward()
-    for q, ref, buf in zip(block.parameters(), one, buffers, strict=True):
-        assert q.grad is buf
+    for q, ref, ptr in zip(block.parameters(), one, addresses, strict=True):
+        assert q.grad.data_ptr() == ptr
         torch.testing.assert_close(q.grad, ref)
     # a grad tensor assigned by the caller is added to, not replaced
     for q in block.parameters():
@@ -182,10 +184,10 @@ def test_param_grads_accumulate_like_eager_microbatches():
         torch.testing.assert_close(q.grad, ref + 1)
 
 
-def test_autograd_param_grad_mode_matches_eager():
+def test_param_grad_hooks_fire_as_in_eager():
     block = _model()
     p = _params([10, 20, 5])
-    graphed = capture_with(EagerRecorder(), block, (_x(0), p), param_grads="autograd")
+    graphed = capture_with(EagerRecorder(), block, (_x(0), p))
     hooked = []
     first = next(block.parameters())
     handle = first.register_post_accumulate_grad_hook(lambda t: hooked.append(1))
@@ -263,7 +265,7 @@ def test_forward_only_matches_eager():
     p = _params([10, 3, 30])
     graphed = capture_with(EagerRecorder(), block, (_x(0), p), forward_only=True)
     (entry,) = graphed.cache.values()
-    assert entry.bwd_graph is None and graphed.trainable_params == []
+    assert entry.bwd_graph is None and entry.trainable == []
     with torch.no_grad():
         ref = block(_x(4), p)
     out = graphed(_x(4), p)
@@ -309,8 +311,7 @@ def test_mamba_fields_do_not_recapture_attention_graphs():
     graphed = capture_with(EagerRecorder(), block.attn, (_x(0), base))
     for total in (T, T + 16, T + 100):
         p = base.replace(total_tokens=total, host_offsets=base.host_offsets).with_seq_idx()
-        out = graphed(_x(1), p)
-        torch.testing.assert_close(out, block.attn(_x(1), base))
+        torch.testing.assert_close(graphed(_x(1), p), block.attn(_x(1), base))
     assert graphed.captures == 1
     keep = capture_with(EagerRecorder(), block.attn, (_x(0), base), keep_mamba_fields=True)
     keep(_x(1), base.replace(total_tokens=T + 16, host_offsets=base.host_offsets))
@@ -558,16 +559,33 @@ def test_capture_layers_needs_single_tensor_outputs():
 
 
 # ------------------------------------------------------------------------------------------------ misc
-def test_second_forward_before_backward_warns(caplog):
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_a_forward_while_its_backward_is_pending_raises(input_grad):
+    """A second forward of the same graph would overwrite what the first one's pending backward reads: it raises,
+    with grad enabled or under no_grad, and the pending backward stays right."""
     block = _model()
     p = _params([10, 20])
-    graphed = capture_with(EagerRecorder(), block, (_x(0), p))
-    first = graphed(_x(1), p)  # noqa: F841 (kept alive: its backward could still run)
-    with caplog.at_level(logging.WARNING, logger="packgraph.graphs"):
-        graphed(_x(2), p)
-    assert any("before the previous replay's backward" in r.getMessage() for r in caplog.records)
+    graphed = capture_with(EagerRecorder(), block, (_x(0, requires_grad=input_grad), p))
+    x1 = _x(1, requires_grad=input_grad)
+    first = graphed(x1, p)
+    with pytest.raises(GraphOrderError, match="backward of its previous replay is still pending"):
+        graphed(_x(2, requires_grad=input_grad), p)
+    with torch.no_grad(), pytest.raises(GraphOrderError, match="still pending"):
+        graphed(_x(3, requires_grad=input_grad), p)
+    block.zero_grad(set_to_none=True)
+    _weighted_sum(first).backward()  # the refused calls left the pending backward intact
+    got = [q.grad.clone() for q in block.parameters()]
+    x1_grad = x1.grad.clone() if input_grad else None
+    ref = _eager_grads(block, x1, p)
+    torch.testing.assert_close(first.detach(), ref[0])
+    if input_grad:
+        torch.testing.assert_close(x1_grad, ref[1])
+    for g, r in zip(got, ref[2], strict=True):
+        torch.testing.assert_close(g, r)
+    del first
+    graphed(_x(2, requires_grad=input_grad), p)  # the first one's graph is gone: nothing pending
     with torch.no_grad():
-        graphed(_x(3), p)  # no autograd, nothing in flight: no new warning needed
+        graphed(_x(3, requires_grad=input_grad), p)
 
 
 def test_replay_that_would_overwrite_an_unfinished_forward_raises():

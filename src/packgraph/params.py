@@ -19,9 +19,11 @@ Field names follow Megatron-LM's ``megatron.core.packed_seq_params.PackedSeqPara
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import importlib
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -35,6 +37,9 @@ __all__ = [
     "StaticSignature",
     "GroupIdentity",
     "HostOffsets",
+    "ParamsType",
+    "register_params_type",
+    "params_type_of",
     "slot_of_rows",
 ]
 
@@ -585,6 +590,46 @@ class PackedSeqParams:
                     ((p[1:] - p[:-1]) >= (r[1:] - r[:-1])).all(),
                     f"PackedSeqParams.{padded_name}: padded length below unpadded length",
                 )
+
+
+class ParamsType(NamedTuple):
+    """How the engine carries another library's packed-sequence params class (Megatron's) across a graph boundary.
+
+    ``to_packgraph(obj)`` returns a :class:`PackedSeqParams` sharing ``obj``'s tensors (no copies, no syncs);
+    ``from_packgraph(params)`` builds an instance of the foreign class from packgraph params, again sharing tensors.
+    """
+
+    to_packgraph: Callable[[Any], PackedSeqParams]
+    from_packgraph: Callable[[PackedSeqParams], Any]
+
+
+_PARAMS_TYPES: dict[type, ParamsType] = {}
+# Foreign classes the engine recognises before their integration module is imported: the module registers them.
+_KNOWN_FOREIGN = {"megatron.core.packed_seq_params.PackedSeqParams": "packgraph.integrations.megatron"}
+
+
+def register_params_type(cls: type, *, to_packgraph: Callable[[Any], PackedSeqParams], from_packgraph: Callable) -> None:
+    """Let ``capture``/``capture_layers`` split instances of ``cls`` like :class:`PackedSeqParams` (see
+    :class:`ParamsType`). The captured callable then receives an instance of ``cls`` rebuilt on static buffers."""
+    _PARAMS_TYPES[cls] = ParamsType(to_packgraph, from_packgraph)
+    _NOT_PARAMS.discard(cls)
+
+
+_NOT_PARAMS: set[type] = set()
+
+
+def params_type_of(obj: Any) -> ParamsType | None:
+    """The registered :class:`ParamsType` of ``obj``'s class (importing its integration on first sight), or None."""
+    cls = type(obj)
+    found = _PARAMS_TYPES.get(cls)
+    if found is None and cls not in _NOT_PARAMS:
+        module = _KNOWN_FOREIGN.get(f"{cls.__module__}.{cls.__qualname__}")
+        if module is not None:
+            importlib.import_module(module)
+            found = _PARAMS_TYPES.get(cls)
+        if found is None:
+            _NOT_PARAMS.add(cls)
+    return found
 
 
 def slot_of_rows(offsets: Tensor, rows: Tensor) -> Tensor:

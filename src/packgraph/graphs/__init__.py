@@ -2,13 +2,15 @@
 
 * :func:`capture` one callable; :func:`capture_layers` a layer stack into one memory pool.
 * :class:`GraphSignatureError`: a call does not match its graph's static signature (``on_mismatch="error"``).
-* :class:`GraphOrderError`: a replay would overwrite a graph whose backward has not run yet (shared activations).
+* :class:`GraphOrderError`: a replay would overwrite memory a pending backward or a held tensor still needs.
 * :func:`find_host_syncs` / :class:`HostSync`: what stops a callable from being captured, line by line.
+* :func:`use_recorder`: the test seam (record with a CPU stand-in instead of CUDA graphs).
 """
 
 from packgraph.graphs.cache import GraphSignatureError
 from packgraph.graphs.capture import GraphedCallable, capture, capture_layers
-from packgraph.graphs.entry import GraphOrderError
+from packgraph.graphs.order import GraphOrderError
+from packgraph.graphs.recorder import use_recorder
 from packgraph.graphs.safety import GraphCaptureError, HostSync, find_host_syncs
 
 __all__ = [
@@ -20,4 +22,5 @@ __all__ = [
     "GraphCaptureError",
     "find_host_syncs",
     "HostSync",
+    "use_recorder",
 ]

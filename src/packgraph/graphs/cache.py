@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 from torch import Tensor
 
+from packgraph.graphs.handouts import HandoutBook
 from packgraph.graphs.signature import CallSignature, ParamsPreparer, signature_diff
 from packgraph.params import PackedSeqParamsError
 
@@ -60,17 +61,27 @@ class GraphCache(Generic[E]):
     """Captured graphs of one callable, by signature.
 
     Args:
-        max_graphs: LRU bound under ``"recapture"`` (>= 1).
+        max_graphs: LRU bound under ``"recapture"`` (>= 1), or None: no bound, no eviction.
         on_mismatch: ``"recapture"`` or ``"error"``.
         name: used in log lines and errors.
+        warn_at: with no bound, warn once when the cache holds more signatures than this.
     """
 
-    def __init__(self, *, max_graphs: int = 8, on_mismatch: str = "recapture", name: str = "graph") -> None:
+    def __init__(
+        self,
+        *,
+        max_graphs: int | None = 8,
+        on_mismatch: str = "recapture",
+        name: str = "graph",
+        warn_at: int | None = None,
+    ) -> None:
         if on_mismatch not in ON_MISMATCH:
             raise ValueError(f"on_mismatch must be one of {ON_MISMATCH}, got {on_mismatch!r}")
-        if max_graphs < 1:
-            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+        if max_graphs is not None and max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1 (or None: no bound), got {max_graphs}")
         self.max_graphs = max_graphs
+        self.warn_at = warn_at
+        self._warned_size = False
         self.on_mismatch = on_mismatch
         self.name = name
         self.captures = 0
@@ -125,8 +136,17 @@ class GraphCache(Generic[E]):
             seconds * 1e3,
             reason,
         )
+        if self.warn_at is not None and len(self._entries) > self.warn_at and not self._warned_size:
+            self._warned_size = True
+            logger.warning(
+                "%s: %d signatures cached, more than twice the bucket policy's buckets: something besides the "
+                "buckets varies between calls (%s). Each is a capture and its memory; keep it fixed if you can.",
+                self.name,
+                len(self._entries),
+                reason,
+            )
         evicted = []
-        while len(self._entries) > self.max_graphs:
+        while self.max_graphs is not None and len(self._entries) > self.max_graphs:
             old_key, old = self._entries.popitem(last=False)
             self.evictions += 1
             logger.warning(
@@ -159,6 +179,16 @@ class OutputRegistry:
     def __init__(self) -> None:
         self._by_ptr: dict[int, tuple[int, int, Any]] = {}
         self._tokens = itertools.count(1)
+
+    def registered(self, tensor: Tensor) -> bool:
+        """Whether an output starting at ``tensor``'s address is registered (by any graph)."""
+        return tensor.data_ptr() in self._by_ptr
+
+    def set_producer(self, tensor: Tensor, producer: Any) -> None:
+        """The graph that wrote the registered output ``tensor`` last at capture (graphs of several signatures of
+        one layer share it): the next layer's capture links its backward to that graph's."""
+        token, owner, _ = self._by_ptr[tensor.data_ptr()]
+        self._by_ptr[tensor.data_ptr()] = (token, owner, weakref.ref(producer))
 
     def register(self, tensor: Tensor, owner: int, producer: Any = None) -> int:
         """Register ``tensor`` (a static output of ``owner``'s graph ``producer``); return its token."""
@@ -198,8 +228,8 @@ class CaptureGroup:
         chain: let a graph read another graph's static output in place (layer stacks).
 
     ``next_seq()`` numbers the group's captures in order; ``in_flight`` holds the entries whose forward replayed and
-    whose backward has not run yet (see :mod:`packgraph.graphs.entry` for why both matter when activation memory
-    is shared).
+    whose backward has not run yet, and ``handouts`` the graph memory handed out to the caller (see
+    :mod:`packgraph.graphs.order` and :mod:`packgraph.graphs.handouts` for why they matter when memory is shared).
     """
 
     def __init__(self, recorder: Any, preparer: ParamsPreparer, *, chain: bool = False) -> None:
@@ -209,6 +239,7 @@ class CaptureGroup:
         self.outputs = OutputRegistry() if chain else None
         self._seq = itertools.count(1)
         self.in_flight: dict[int, Any] = {}
+        self.handouts = HandoutBook()
 
     def next_seq(self) -> int:
         return next(self._seq)

@@ -4,65 +4,59 @@
 
 1. takes the call's signature (:mod:`packgraph.graphs.signature`): tensors and PackedSeqParams anywhere in the
    args are dynamic inputs; shapes, dtypes, ``requires_grad``, non-tensor args, the params' static signature,
-   ``module.training`` and the autocast state are static. PackedSeqParams are validated (before anything is
-   copied), mapped to their bucket and reduced to ``attention_view()`` first;
-2. finds the graph captured for that signature, or captures one (``on_mismatch="recapture"``, bounded LRU) or
-   raises :class:`~packgraph.graphs.cache.GraphSignatureError` (``on_mismatch="error"``). A stale graph never runs;
+   ``module.training``, which parameters are frozen and the autocast state are static. PackedSeqParams are
+   validated (before anything is copied), mapped to their bucket and reduced to ``attention_view()`` first;
+2. finds the graph captured for that signature, or captures one (``on_mismatch="recapture"``) or raises
+   :class:`~packgraph.graphs.cache.GraphSignatureError` (``on_mismatch="error"``). A stale graph never runs;
 3. copies each dynamic input into its static buffer, only when it is not already there (``data_ptr``), and
    replays the forward graph inside a ``torch.autograd.Function`` whose backward replays the backward graph.
 
-Contract and limits (read these):
+What is autograd-exact, and what is not:
 
-* **Outputs alias static memory.** A returned tensor is a view of the graph's static output: the next replay of
-  the same graph overwrites it, and so may a replay of another signature's graphs (see Memory). One forward per
-  graph may be in flight: run its backward (or use ``torch.no_grad()``) before the next forward of the same
-  signature (a warning says when this is broken).
-* **Parameter grads** (``param_grads="graph"``, the default) are accumulated *inside* the backward graph into one
-  persistent buffer per parameter, which becomes ``p.grad``: replays sum up like eager micro-batches, with no
-  per-parameter device work outside the graph (one identity check per parameter on the host). After
-  ``zero_grad(set_to_none=True)`` the next backward zeroes and reuses that buffer; a ``p.grad`` you assigned yourself
-  is added to instead. These grads bypass autograd, so grad hooks (DDP's reducer,
-  ``register_post_accumulate_grad_hook``) and ``torch.autograd.grad(loss, params)`` do not see them: use
-  ``param_grads="autograd"`` for those (one accumulate per parameter per replay, on the host).
-* Only the parameters of the module (or of the module a bound method belongs to) are trained; tensors a plain
-  function closes over are constants. Parameters must keep their storage (``optimizer.step`` and
-  ``load_state_dict`` are fine; ``module.to(dtype)`` or re-assigning a parameter needs a new capture), and their
-  ``requires_grad`` must not change after capture.
+* **Exact.** Outputs, input grads and parameter grads are eager's, and so is how ``.grad`` changes: grads reach
+  autograd's ``AccumulateGrad`` (a first grad is adopted without a copy, later ones are added), so
+  ``torch.autograd.grad``, ``backward(inputs=...)``, parameters frozen or unfrozen after capture, gradient hooks
+  and micro-batches behave as in eager. Outputs and grads handed out are views of graph memory; a later replay
+  moves any that are still held to memory of their own first (:mod:`packgraph.graphs.handouts`).
+* **Refused, with an error that says what to do:** double backward (``create_graph=True``); a forward of a graph
+  whose previous backward is pending, or any replay that would overwrite memory a pending backward needs
+  (:class:`~packgraph.graphs.order.GraphOrderError`); a view of a handed-out tensor kept across replays.
+* **Not replayed:** Python side effects of the callable and of its module hooks run at capture only (the work they
+  record is replayed). Tensors must reach the callable as arguments (possibly inside lists, tuples, dicts) or as
+  module parameters and buffers: a tensor hidden in another object or a closure is a graph constant.
+
+Other rules:
+
+* **Parameters** are the module's (or the bound method's module's). Their storage is checked at every call, on the
+  host: after ``module.to(...)``, ``load_state_dict(assign=True)`` or a reassigned parameter, the callable drops its
+  graphs and captures new ones. In-place updates (``optimizer.step``, ``load_state_dict``) need nothing.
 * **Memory.** Everything captured together (one :func:`capture`, one :func:`capture_layers` stack, and their
-  recaptures) shares one pool; warm-up runs on a side stream. Static outputs and input grads stay allocated for
-  the graph's lifetime. Temporaries, and (``share_activations=True``, the default) the activations a forward saves
-  for its backward, go back to the pool after capture, where later captures reuse them: the graph sets of several
-  buckets hold about one set of activations, not one each. So the graphs of one pool must replay as a model runs
-  them: each forward's backward before the forward of another signature, on one stream. A replay that would
-  overwrite a graph whose forward ran and whose backward has not raises ``GraphOrderError`` (tracked per capture
-  group; captures that share a pool through ``pool=`` are not checked against each other). A signature first met
-  at call time has its forward captured at that call and its backward at its first backward, so captures follow
-  the order the graphs run in.
+  recaptures) shares one pool, warm-ups included; the signatures of one callable share its static buffers, and
+  (``share_activations=True``) the activations a forward saves go back to the pool after capture. The order rule
+  this needs is in :mod:`packgraph.graphs.order`. A signature first met at call time has its forward captured at
+  that call and its backward at its first backward, so captures follow the order the graphs run in.
+* **Threads and streams.** A capture group is single-threaded: call its graphs from one thread. Replays run on the
+  current stream. Every capture synchronises the device first, so memory a released graph gave back to the pool is
+  reused only once all streams are done with it.
 * **RNG.** Dropout draws fresh masks at every replay (torch registers the default CUDA generator with each
   capture and advances its offset per replay); the backward graph reads the masks the forward saved. Other
   generators must be registered by the caller (``CUDAGraph.register_generator_state``).
 * **Autocast** is part of the signature; warm-up and capture run with the autocast cache off, so casts of the
   weights are recorded in the graph and stay current after ``optimizer.step()``.
-* Module hooks run at capture only (they are recorded, not re-run in Python).
-* Tensors must reach the callable as arguments (possibly inside lists, tuples, dicts) or as module parameters and
-  buffers; a tensor hidden in another object (or a closure) is a graph constant: the graph keeps reading the
-  memory it had at capture.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from packgraph.graphs import safety
+from packgraph.graphs.buffers import SharedBuffers
 from packgraph.graphs.cache import CaptureGroup, GraphCache, logger
-from packgraph.graphs.entry import PARAM_GRAD_MODES, Entry, explained_capture_errors
+from packgraph.graphs.entry import Entry, explained_capture_errors
+from packgraph.graphs.recorder import recorder_for
 from packgraph.graphs.signature import (
     CallSignature,
     ParamsPreparer,
@@ -73,80 +67,7 @@ from packgraph.graphs.signature import (
     is_chained,
 )
 
-__all__ = ["capture", "capture_layers", "GraphedCallable", "PARAM_GRAD_MODES"]
-
-
-# --------------------------------------------------------------------------------------------- recorder
-class CudaRecorder:
-    """Warms up and records CUDA graphs on one side stream into one memory pool (``pool``)."""
-
-    device_type = "cuda"
-
-    def __init__(self, pool: Any = None, device: torch.device | None = None) -> None:
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream(self.device)
-
-    def check_input(self, t: Tensor) -> None:
-        if t.device != self.device:
-            raise ValueError(f"graph inputs must be on {self.device}; got a tensor on {t.device}")
-
-    def warmup(self, run: Callable[[], None], iters: int) -> None:
-        # Lazy initialisation (cuBLAS workspaces, autotuning) must not land inside a capture.
-        torch.cuda.synchronize(self.device)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream), _without_donated_buffers():
-            for _ in range(iters):
-                run()
-        torch.cuda.synchronize(self.device)
-
-    def new_pool(self) -> Any:
-        return torch.cuda.graph_pool_handle()
-
-    def record(self, body: Callable[[], list], pool: Any = None) -> tuple[Any, list]:
-        graph = torch.cuda.CUDAGraph()
-        pool = self.pool if pool is None else pool
-        previous = torch.cuda.current_stream(self.device)
-        try:
-            with (
-                safety.gc_paused(),  # a collection freeing an old graph would invalidate this capture
-                torch.cuda.graph(
-                    graph, pool=self.pool if pool is None else pool, stream=self.stream, **safety.CAPTURE_KWARGS
-                ),
-                _without_donated_buffers(),
-            ):
-                results = body()
-        except BaseException:
-            safety.recover_after_failed_capture(previous, self.device, pool)
-            raise
-        return graph, results
-
-
-def _without_donated_buffers() -> contextlib.AbstractContextManager:
-    """A torch.compile'd callable compiled in here keeps its saved activations for a retained backward.
-
-    By default AOTAutograd donates saved activations to the backward, which then refuses ``retain_graph=True``
-    ("compiled with non-empty donated buffers"); the engine retains the backward's graph when activations are not
-    shared (``share_activations=False``, see ``entry.py``), so a compiled layer is compiled, during warm-up, without
-    donation.
-    """
-    try:
-        import torch._functorch.config as config
-    except ImportError:
-        return contextlib.nullcontext()
-    if not hasattr(config, "donated_buffer"):
-        return contextlib.nullcontext()
-    return config.patch(donated_buffer=False)
-
-
-def _cuda_recorder(pool: Any, sample_args: Any, who: str) -> CudaRecorder:
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"{who} needs a CUDA device (CUDA graphs), but torch.cuda.is_available() is False on this machine; "
-            "run the callable eagerly here"
-        )
-    device = next((t.device for t in pytree.tree_leaves(sample_args) if isinstance(t, Tensor) and t.is_cuda), None)
-    return CudaRecorder(pool, device)
+__all__ = ["capture", "capture_layers", "capture_with", "capture_layers_with", "GraphedCallable"]
 
 
 # --------------------------------------------------------------------------------------------- public
@@ -165,15 +86,12 @@ class GraphedCallable:
         *,
         num_warmup_iters: int = 3,
         on_mismatch: str = "recapture",
-        max_graphs: int = 8,
+        max_graphs: int | None = None,
         forward_only: bool = False,
         validate: str = "host",
-        param_grads: str = "graph",
         share_activations: bool = True,
         name: str | None = None,
     ) -> None:
-        if param_grads not in PARAM_GRAD_MODES:
-            raise ValueError(f"param_grads must be one of {PARAM_GRAD_MODES}, got {param_grads!r}")
         if num_warmup_iters < 1:
             raise ValueError(f"num_warmup_iters must be >= 1, got {num_warmup_iters}")
         self.fn = fn
@@ -183,17 +101,20 @@ class GraphedCallable:
         self._submodules = list(self.module.modules()) if self.module is not None else []
         self.group = group
         self.name = name or _name_of(fn)
-        self.cache: GraphCache[Entry] = GraphCache(max_graphs=max_graphs, on_mismatch=on_mismatch, name=self.name)
+        policy = group.preparer.buckets
+        bound, warn_at = max_graphs, None
+        if bound is None and policy is None:
+            bound = DEFAULT_MAX_GRAPHS
+        elif bound is None:  # a policy bounds the signatures: hold every bucket, evict nothing
+            warn_at = 2 * policy.num_buckets
+        self.cache: GraphCache[Entry] = GraphCache(
+            max_graphs=bound, on_mismatch=on_mismatch, name=self.name, warn_at=warn_at
+        )
         self.num_warmup_iters = num_warmup_iters
         self.forward_only = forward_only
         self.debug = validate == "debug"
-        self.param_grads = param_grads
         self.share_activations = share_activations
-        params = {id(p): p for p in self.module.parameters()} if self.module is not None else {}
-        self.trainable_params = [p for p in params.values() if p.requires_grad] if not forward_only else []
-        self.anchor = None
-        if self.trainable_params:
-            self.anchor = torch.empty(0, device=self.trainable_params[0].device, requires_grad=True)
+        self.buffers = SharedBuffers(self, enabled=share_activations)
         self.uid = id(self)
         self.recaptures = 0
         self._warned_unchained = False
@@ -201,7 +122,62 @@ class GraphedCallable:
         registry = group.outputs
         self._chain_of = None if registry is None else (lambda t: registry.lookup(t, self.uid))
         self._device_type = group.recorder.device_type
+        self._scan_slots()
 
+    # ---------------------------------------------------------------- parameters
+    def _scan_slots(self) -> None:
+        """Where each parameter and buffer of the module lives, with its identity and address at capture."""
+        slots, params, seen = [], [], set()
+        for mod in self._submodules:
+            for table, is_param in ((mod._parameters, True), (mod._buffers, False)):
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    slots.append((table, name, t, t.data_ptr()))
+                    if is_param and id(t) not in seen:
+                        seen.add(id(t))
+                        params.append(t)
+        self._slots = slots
+        self.params = params
+
+    def _frozen(self) -> tuple[int, ...]:
+        """Indices of the parameters that do not require grad now (part of the signature). Also checks, on the
+        host, that every parameter and buffer is still the tensor at the address the graphs were captured with."""
+        for table, name, t, ptr in self._slots:
+            now = table.get(name)
+            if now is not t or now.data_ptr() != ptr:
+                self._rebind()
+                break
+        return tuple(i for i, p in enumerate(self.params) if not p.requires_grad)
+
+    def _rebind(self) -> None:
+        dropped = self.cache.clear()
+        for entry in dropped:
+            entry.release()
+        self.buffers.clear()
+        self.group.handouts.forget_owner(self.uid)
+        self._scan_slots()
+        if dropped:
+            logger.warning(
+                "%s: a parameter or buffer of the module is a new tensor or moved to new memory since capture "
+                "(module.to(...), load_state_dict(assign=True), a reassigned attribute): its %d graphs read the old "
+                "memory and were dropped; new ones are captured at the next calls.",
+                self.name,
+                len(dropped),
+            )
+
+    def param_slots(self) -> list[tuple[dict, str, Tensor, int]]:
+        """``(table, name, tensor, data_ptr)`` of every parameter and buffer slot of the module."""
+        return self._slots
+
+    def trainable_now(self) -> list[Tensor]:
+        """The parameters a capture made now trains: those that require grad (none when forward-only)."""
+        return [] if self.forward_only else [p for p in self.params if p.requires_grad]
+
+    def any_in_flight(self) -> bool:
+        return any(e.in_flight for e in self.group.in_flight.values() if e.owner is self)
+
+    # ---------------------------------------------------------------- cache
     @property
     def num_graphs(self) -> int:
         return len(self.cache)
@@ -220,13 +196,14 @@ class GraphedCallable:
 
     def signature(self, args: tuple, kwargs: dict) -> tuple[CallSignature, list]:
         """``(signature, dynamic inputs)`` of a call. Validates its PackedSeqParams (may raise)."""
+        frozen = self._frozen()
         args_key, kwargs_key, dyn = flatten_call(args, kwargs, self.group.preparer, self._chain_of)
         training = None
         if self._submodules:
             flags = tuple(m.training for m in self._submodules)
             # One bool when the whole module agrees (the usual case, and the readable one in error messages).
             training = flags[0] if len(set(flags)) == 1 else flags
-        return CallSignature(args_key, kwargs_key, training, autocast_state(self._device_type)), dyn
+        return CallSignature(args_key, kwargs_key, training, autocast_state(self._device_type), frozen), dyn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, dyn = self.signature(args, kwargs)
@@ -266,11 +243,18 @@ class GraphedCallable:
                 "is" if len(opaque) == 1 else "are",
             )
         kind = "fwd+bwd" if entry.bwd_graph is not None else "fwd, bwd at first use" if entry.trains else "fwd"
-        for old in self.cache.insert(entry.key, entry, seconds=entry.capture_seconds, kind=kind):
+        evicted = self.cache.insert(entry.key, entry, seconds=entry.capture_seconds, kind=kind)
+        for old in evicted:
             old.release()
+        if evicted:
+            self.buffers.keep_only(self.cache.values())
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, graphs={self.num_graphs}, captures={self.captures})"
+
+
+DEFAULT_MAX_GRAPHS = 8
+"""Cache bound of a callable captured without a bucket policy (with one, the policy bounds the signatures)."""
 
 
 def _name_of(fn: Callable) -> str:
@@ -342,20 +326,7 @@ def capture_with(
     keep_mamba_fields: bool = False,
     **options: Any,
 ) -> GraphedCallable:
-    """:func:`capture` with an explicit recorder: the CUDA one, or a stand-in (CPU tests replay eagerly).
-
-    The recorder protocol (what :class:`CudaRecorder` implements):
-
-    * ``device_type``: the autocast device type of the signature (``"cuda"``);
-    * ``check_input(tensor)``: raise if a dynamic input cannot be a graph input (wrong device);
-    * ``warmup(run, iters)``: call ``run()`` ``iters`` times, eagerly (CUDA: on the side stream);
-    * ``record(body, pool=None) -> (graph, results)``: capture ``body()`` (which returns a list of tensors, the
-      graph's static results) into the recorder's pool, or ``pool``, and return an object whose ``replay()`` re-runs
-      the recorded work, writing into ``results``;
-    * optional ``new_pool()``: a fresh memory pool (for a capture that must not reuse the shared pool's memory);
-    * optional ``records_by_running = True``: ``record`` runs the body (a stand-in), so the engine keeps the
-      autograd graph a backward body consumes.
-    """
+    """:func:`capture` with an explicit recorder (the protocol is in :mod:`packgraph.graphs.recorder`)."""
     group = _make_group(recorder, validate=validate, buckets=buckets, keep_mamba_fields=keep_mamba_fields, chain=False)
     graphed = GraphedCallable(fn_or_module, group, validate=validate, **options)
     (entry,) = _capture_stack([graphed], _as_args(sample_args), dict(sample_kwargs or {}))
@@ -398,12 +369,11 @@ def capture(
     num_warmup_iters: int = 3,
     pool: Any = None,
     on_mismatch: str = "recapture",
-    max_graphs: int = 8,
+    max_graphs: int | None = None,
     forward_only: bool = False,
     buckets: Any = None,
     validate: str = "host",
     keep_mamba_fields: bool = False,
-    param_grads: str = "graph",
     share_activations: bool = True,
 ) -> GraphedCallable:
     """Capture ``fn_or_module`` into CUDA graphs (forward, and backward unless ``forward_only``).
@@ -414,7 +384,10 @@ def capture(
             signature is captured now; other signatures are captured at their first call.
         num_warmup_iters: eager iterations on a side stream before each capture.
         pool: a ``torch.cuda.graph_pool_handle()`` to share with other captures; default a fresh one.
-        on_mismatch: ``"recapture"`` (bounded LRU of ``max_graphs``) or ``"error"`` (:class:`GraphSignatureError`).
+        on_mismatch: ``"recapture"`` (an LRU cache) or ``"error"`` (:class:`GraphSignatureError`).
+        max_graphs: the LRU's bound. Default: every bucket of ``buckets`` is kept (no eviction; a warning when a
+            callable holds more than twice as many signatures, since something else static then varies), or 8
+            signatures without a policy.
         forward_only: no-grad graphs (scoring, eval): no backward, no saved activations.
         buckets: a ``BucketPolicy``: the caller passes a batch's true params and the engine re-pads them to their
             bucket (on the device, no sync) before the signature is taken.
@@ -428,11 +401,10 @@ def capture(
             hold; under ``torch.inference_mode`` tensors carry no version, so every call re-checks and re-buckets
             (host work only): score under ``torch.no_grad()`` to avoid it.
         keep_mamba_fields: let ``total_tokens``/``seq_idx`` into the graph (and its signature).
-        param_grads: ``"graph"`` (accumulate inside the backward graph) or ``"autograd"`` (see the module doc).
-        share_activations: let the graphs of every signature share one set of saved activations (memory of one
-            graph set, however many buckets). Replays must then follow the model's order; a replay that would
-            overwrite an unfinished forward raises :class:`~packgraph.graphs.entry.GraphOrderError`. ``False``
-            keeps each signature's activations apart.
+        share_activations: let the graphs of every signature share one set of saved activations and static
+            buffers (memory of one graph set, however many buckets). Replays must then follow the model's order; a
+            replay that would overwrite an unfinished forward raises :class:`~packgraph.graphs.order.GraphOrderError`.
+            ``False`` keeps each signature's memory apart.
 
     Returns:
         a :class:`GraphedCallable`.
@@ -441,7 +413,7 @@ def capture(
         RuntimeError: no CUDA device; :class:`~packgraph.graphs.safety.GraphCaptureError` when the callable cannot
             be captured (it names the offending line, e.g. a host sync, and the fix).
     """
-    recorder = _cuda_recorder(pool, (sample_args, sample_kwargs), "packgraph.capture")
+    recorder = recorder_for(pool, (sample_args, sample_kwargs), "packgraph.capture")
     return capture_with(
         recorder,
         fn_or_module,
@@ -454,7 +426,6 @@ def capture(
         buckets=buckets,
         validate=validate,
         keep_mamba_fields=keep_mamba_fields,
-        param_grads=param_grads,
         share_activations=share_activations,
     )
 
@@ -482,5 +453,5 @@ def capture_layers(
 
     Other options are :func:`capture`'s. Returns one :class:`GraphedCallable` per layer.
     """
-    recorder = _cuda_recorder(pool, (sample_args, sample_kwargs), "packgraph.capture_layers")
+    recorder = recorder_for(pool, (sample_args, sample_kwargs), "packgraph.capture_layers")
     return capture_layers_with(recorder, layers, sample_args, sample_kwargs, chain=chain, **options)

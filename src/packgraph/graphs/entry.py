@@ -3,29 +3,25 @@
 :class:`Entry` is what a :class:`~packgraph.graphs.capture.GraphedCallable` caches per signature. It is built from a
 call (its static buffers are copies of the call's tensors, or, in a chained layer stack, the previous layer's static
 output itself), captured by the group's recorder, and replayed inside :class:`Replay`, a ``torch.autograd.Function``
-whose backward replays the backward graph.
+whose inputs are the call's tensors that require grad and the parameters trained at capture, and whose backward
+replays the backward graph.
 
-Parameter grads (``param_grads="graph"``): the backward graph adds each parameter's grad into one persistent buffer per
-parameter (shared by every graph that trains it). Before a replay, a parameter whose ``.grad`` is not that buffer is
-handled on the host: ``None`` (after ``zero_grad(set_to_none=True)``) zeroes the buffer and makes it ``.grad`` after the
-replay; a tensor the caller assigned gets the buffer added to it. In the steady state (``.grad`` is the buffer) a
-replay costs one identity check per parameter on the host and no device work beyond the graph.
+Gradients go through autograd, as in eager. The backward graph computes the grads of the inputs and of every
+parameter trained at capture into static tensors; :meth:`Entry.replay_backward` returns views of them, and
+autograd's own ``AccumulateGrad`` does the rest: it adopts the view as ``p.grad`` when that is None (no copy, as
+eager adopts a fresh grad), adds it otherwise, runs the parameter's hooks, and skips parameters the backward does not
+reach (``torch.autograd.grad(loss, [x])``, ``backward(inputs=...)``, a frozen parameter). Views that outlive the
+replay are moved off the static memory before the next replay writes it (:mod:`packgraph.graphs.handouts`).
 
-Memory and replay order. All graphs of a group share one memory pool. Whatever a capture frees goes back to the
-pool, where a later capture may place its own tensors: temporaries are always freed at the end of their capture,
-and with ``share_activations`` (the default) so are the activations a forward saves for its backward, once the
-backward graph is recorded. Graph sets of several signatures (buckets) then hold one set of activations between
-them instead of one each. The price is an order rule: replaying a graph recorded at capture number ``s`` may
-overwrite (a) anything captured after ``s`` and (b) activations freed before ``s``. Neither matters when a model
-runs as it is captured (each forward's backward before the next step's forwards), but it would silently corrupt
-a graph whose forward replayed and whose backward has not run yet. The group tracks those entries
-(``in_flight``) and :func:`check_replay_order` raises :class:`GraphOrderError` before such a replay.
+Buffers are shared signature after signature: the first entry of a callable (its *primary*) owns the static inputs,
+outputs, grad-output buffers and grads; later entries of compatible shapes read the same input buffers and copy
+their results into the primary's buffers at the end of their graphs, so a layer holds one set however many buckets
+it meets. The replay-order rule that sharing needs is in :mod:`packgraph.graphs.order`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import weakref
 from collections.abc import Iterator
@@ -34,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from packgraph.graphs import safety
 from packgraph.graphs.cache import logger
+from packgraph.graphs.handouts import Handout
+from packgraph.graphs.order import check_replay_order, freed_at, preserve_version
 from packgraph.graphs.signature import (
     CallSignature,
     PreparedParams,
@@ -51,22 +48,7 @@ from packgraph.graphs.signature import (
 if TYPE_CHECKING:
     from packgraph.graphs.capture import GraphedCallable
 
-__all__ = ["Entry", "Replay", "PARAM_GRAD_MODES", "GraphOrderError", "explained_capture_errors"]
-
-PARAM_GRAD_MODES: tuple[str, ...] = ("graph", "autograd")
-
-
-def _preserve_version(t: Tensor) -> contextlib.AbstractContextManager:
-    preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
-    return contextlib.nullcontext() if preserve is None else preserve(t)
-
-
-class GraphOrderError(RuntimeError):
-    """A replay would overwrite the saved activations or outputs of a graph whose backward has not run yet."""
-
-
-# One persistent grad buffer per parameter, shared by every graph that trains it (tied weights, recaptures).
-_grad_buffers = WeakIdKeyDictionary()
+__all__ = ["Entry", "Replay", "explained_capture_errors"]
 
 
 class Entry:
@@ -76,15 +58,20 @@ class Entry:
         self.owner = owner
         self.key = key
         self.flight: Any = None  # weakref to the autograd context of a forward whose backward has not run
-        self.warned_pending = False
-        self.fwd_seq = 0  # capture numbers in the group (see the module docstring)
+        self.fwd_seq = 0  # capture numbers in the group (see packgraph.graphs.order)
         self.bwd_seq: int | None = None
+        self.trainable: list[Tensor] = owner.trainable_now()
+        # Warm-up and capture run on a side stream with fresh leaves sharing each parameter's storage standing in
+        # for it: the autograd graph a capture keeps (until a late backward capture) then holds no AccumulateGrad
+        # node of the real parameter, whose node autograd would reuse, with the side stream, on the caller's
+        # stream ("The AccumulateGrad node's stream does not match ...").
+        self.stand_ins = [_stand_in(p) for p in self.trainable]
+        recorder = owner.group.recorder
         # A capture made while a graph with freed activations is in flight gets a pool of its own: the group's
         # pool may hand it that graph's activations.
-        self.pool: Any = None
-        recorder = owner.group.recorder
-        if any(o.in_flight and o.activations_freed_at() < math.inf for o in owner.group.in_flight.values()):
-            self.pool = recorder.new_pool() if hasattr(recorder, "new_pool") else None
+        self.pool: Any = recorder.pool if hasattr(recorder, "pool") else None
+        if any(o.in_flight and freed_at(o) < float("inf") for o in owner.group.in_flight.values()):
+            self.pool = recorder.new_pool() if hasattr(recorder, "new_pool") else object()
         self.tokens: list[tuple[Tensor, int]] = []
         self.capture_seconds = 0.0
         keys = dyn_keys(key)
@@ -96,19 +83,20 @@ class Entry:
             if isinstance(item, PreparedParams):
                 bufs = [t.detach().clone() for t in item.tensors]
                 self.load_plan += [(i, j, b, b.data_ptr()) for j, b in enumerate(bufs)]
-                rebuilt = item.rebuild(bufs)
-                self.static_params.append(rebuilt)
+                self.static_params.append(item.rebuild_packgraph(bufs))  # debug-mode checks run on these
                 self.static_inputs.append(None)
-                substitutes.append(rebuilt)
+                substitutes.append(item.rebuild(bufs))
                 continue
-            owner.group.recorder.check_input(item)
+            recorder.check_input(item)
             if is_chained(k):
                 buf = item.detach()  # the producer graph's output itself: read in place, never copied
-                producer = owner.group.outputs.producer(item) if i == 0 else None
+                producer = owner.group.outputs.producer(item)
                 if producer is not None:
-                    producer.consumer = weakref.ref(self)  # its backward reads our input-grad buffer in place
+                    if i == 0:
+                        producer.consumer = weakref.ref(self)  # its backward reads our input-grad buffer in place
+                    producer.pin(buf)
             else:
-                buf = item.detach().clone()
+                buf = owner.buffers.get(("input", i), item)
                 self.load_plan.append((i, -1, buf, buf.data_ptr()))
             buf.requires_grad_(tensor_requires_grad(k))
             self.static_inputs.append(buf)
@@ -121,17 +109,23 @@ class Entry:
         self.bwd_graph: Any = None
         self.trains = False  # set by capture_forward: a backward graph is wanted (captured now or at first use)
         self.consumer: Any = None  # weakref to the entry that reads our output in place (chained stacks)
-        self.param_pairs: list[tuple[Tensor, Tensor]] = []
+        self.out_records: list[Handout] = []
+        self.grad_records: list[Handout | None] = []
 
     # ---------------------------------------------------------------- capture
     def _call_fn(self) -> Any:
         if self.owner.debug:
             for params in self.static_params:
                 params.assert_valid_async()
-        return self.owner.fn(*self.static_args, **self.static_kwargs)
+        with _parameters_replaced(self.owner, dict(zip(map(id, self.trainable), self.stand_ins, strict=True))):
+            return self.owner.fn(*self.static_args, **self.static_kwargs)
 
     def _grad_targets(self) -> list[Tensor]:
-        return [self.static_inputs[i] for i in self.grad_positions] + self.owner.trainable_params
+        return [self.static_inputs[i] for i in self.grad_positions] + self.stand_ins
+
+    def statics(self) -> list[Tensor]:
+        """Every static tensor this entry hands out (outputs and grads)."""
+        return [r.static for r in self.out_records] + [r.static for r in self.grad_records if r is not None]
 
     def warm_up(self) -> None:
         owner = self.owner
@@ -146,11 +140,12 @@ class Entry:
                     grads = [torch.zeros_like(o) for o in outs]
                     torch.autograd.grad(outs, targets, grads, allow_unused=True)
 
-        owner.group.recorder.warmup(run, owner.num_warmup_iters)
+        owner.group.recorder.warmup(run, owner.num_warmup_iters, pool=self.pool)
 
     def capture_forward(self) -> None:
         owner = self.owner
         train = not owner.forward_only
+        own_inputs = {b.data_ptr() for b in self.static_inputs if b is not None}
 
         def body() -> list:
             with _capture_mode(owner, train):
@@ -158,21 +153,31 @@ class Entry:
             leaves, self.out_spec = pytree.tree_flatten(out)
             self.out_template = [_OUT if isinstance(v, Tensor) else v for v in leaves]
             self.raw_outputs = [v for v in leaves if isinstance(v, Tensor)]
-            return self.raw_outputs
+            # An output that is one of the inputs (or a view of one) must stay what it is: never copied elsewhere.
+            if any(o.data_ptr() in own_inputs for o in self.raw_outputs):
+                return self.raw_outputs
+            return owner.buffers.write("output", self.raw_outputs)
 
         self.fwd_graph, self.static_outputs = owner.group.recorder.record(body, pool=self.pool)
         self.fwd_seq = owner.group.next_seq()
         self.single_output = len(self.out_template) == 1 and self.out_template[0] is _OUT
-        self.nondiff = [j for j, o in enumerate(self.static_outputs) if not o.requires_grad]
-        self.trains = not owner.forward_only and len(self.nondiff) < len(self.static_outputs)
+        self.nondiff = [j for j, o in enumerate(self.raw_outputs) if not o.requires_grad]
+        self.trains = not owner.forward_only and len(self.nondiff) < len(self.raw_outputs)
         self.trains = self.trains and bool(self._grad_targets())
         if not self.trains:
             self.nondiff = list(range(len(self.static_outputs)))
+        self.out_records = [
+            owner.buffers.record(o, seq=self.fwd_seq, pool=self.pool, name=f"output {j} of {owner.name}")
+            for j, o in enumerate(self.static_outputs)
+        ]
         registry = owner.group.outputs
         if registry is not None:
-            own = {b.data_ptr() for b in self.static_inputs if b is not None}
             for o in self.static_outputs:
-                if o.data_ptr() not in own:
+                if o.data_ptr() in own_inputs:
+                    continue
+                if registry.registered(o):  # the primary's buffer, shared: this graph writes it now
+                    registry.set_producer(o, self)
+                else:
                     self.tokens.append((o, registry.register(o, owner.uid, self)))
 
     def capture_backward(self, grad_output_buffers: dict[int, Tensor] | None = None) -> None:
@@ -181,20 +186,17 @@ class Entry:
         owner = self.owner
         if not self.trains:
             return
-        diff = [j for j, o in enumerate(self.static_outputs) if o.requires_grad]
+        diff = [j for j, o in enumerate(self.raw_outputs) if o.requires_grad]
         targets = self._grad_targets()
         given = grad_output_buffers or {}
-        self.static_grad_outputs: list[Tensor | None] = [None] * len(self.static_outputs)
+        self.static_grad_outputs: list[Tensor | None] = [None] * len(self.raw_outputs)
         for j in diff:
             self.static_grad_outputs[j] = given.get(j)
             if self.static_grad_outputs[j] is None:
-                self.static_grad_outputs[j] = torch.zeros_like(self.static_outputs[j])
+                self.static_grad_outputs[j] = owner.buffers.get(("grad_output", j), self.raw_outputs[j], zero=True)
         self.grad_plan = [(j, g, g.data_ptr()) for j, g in enumerate(self.static_grad_outputs) if g is not None]
-        n_in = len(self.grad_positions)
-        params = owner.trainable_params
-        in_graph = owner.param_grads == "graph"
-        bufs = [_grad_buffer(p) for p in params] if in_graph else []
         pattern: list[bool] = []
+        before = [r.refs() for r in self.out_records]
 
         def body() -> list:
             outs = [self.raw_outputs[j] for j in diff]
@@ -205,22 +207,27 @@ class Entry:
             retain = not owner.share_activations or getattr(owner.group.recorder, "records_by_running", False)
             grads = torch.autograd.grad(outs, targets, grad_outs, retain_graph=retain, allow_unused=True)
             pattern[:] = [g is not None for g in grads]
-            if in_graph:
-                used = [(b, g) for b, g in zip(bufs, grads[n_in:], strict=True) if g is not None]
-                if used:
-                    torch._foreach_add_([b for b, _ in used], [g for _, g in used])
-                return [g for g in grads[:n_in] if g is not None]
-            return [g for g in grads if g is not None]
+            role = ("grads", tuple(pattern), tuple(map(id, self.trainable)))
+            return owner.buffers.write(role, [g for g in grads if g is not None])
 
         self.bwd_graph, kept = owner.group.recorder.record(body, pool=self.pool)
         self.bwd_seq = owner.group.next_seq()
+        for record, n in zip(self.out_records, before, strict=True):
+            record.forget_released(n)  # the forward capture's autograd graph is gone now
         it = iter(kept)
-        grads = [next(it) if present else None for present in (pattern[:n_in] if in_graph else pattern)]
+        grads = [next(it) if present else None for present in pattern]
+        n_in = len(self.grad_positions)
         self.static_grad_inputs = grads[:n_in]
-        if in_graph:
-            self.param_pairs = [(p, b) for p, b, present in zip(params, bufs, pattern[n_in:], strict=True) if present]
-        else:
-            self.static_param_grads = grads[n_in:]
+        self.grad_records = []
+        for k, g in enumerate(grads):
+            if g is None or (k < n_in and self.chained_grad_inputs[k]):
+                self.grad_records.append(None)  # absent, or read in place by the producer graph's backward
+                continue
+            what = f"grad of input {self.grad_positions[k]}" if k < n_in else "parameter grad"
+            params = () if k < n_in else (self.trainable[k - n_in],)
+            name = f"{what} of {owner.name}"
+            record = owner.buffers.record(g, seq=self.bwd_seq, pool=self.pool, name=name, params=params)
+            self.grad_records.append(record)
 
     def capture_backward_late(self) -> None:
         """Record the backward graph at its first use (inside autograd's backward): a signature first met at call
@@ -262,11 +269,14 @@ class Entry:
         """Its forward replayed with autograd recording and its backward has not run (the graph is still alive)."""
         return self.flight is not None and self.flight() is not None
 
-    def activations_freed_at(self) -> float:
-        """The capture number after which this entry's saved activations are free pool memory (inf: never)."""
-        if self.bwd_seq is None or not self.owner.share_activations:
-            return math.inf
-        return self.bwd_seq
+    def pin(self, view: Tensor) -> None:
+        """``view`` (a consumer graph's input) shares one of our outputs for as long as it lives: it is the engine's
+        own reference, not a caller's, so the output's :class:`~packgraph.graphs.handouts.Handout` counts it."""
+        for record in self.out_records:
+            if record.static.data_ptr() == view.data_ptr():
+                record.baseline += 1
+                weakref.finalize(view, record.unpin)
+                return
 
     def grad_input_buffer(self, dyn_index: int) -> Tensor | None:
         """The static grad of dynamic input ``dyn_index`` (None if it needs none)."""
@@ -277,11 +287,18 @@ class Entry:
     def release(self) -> None:
         registry = self.owner.group.outputs
         if registry is not None:
+            live = [e for e in self.owner.cache.values() if e is not self]
             for tensor, token in self.tokens:
-                registry.unregister(tensor, token)
+                if not any(o is tensor for e in live for o in e.static_outputs):  # still another signature's output
+                    registry.unregister(tensor, token)
         self.tokens = []
 
     # ---------------------------------------------------------------- replay
+    def before_replay(self, seq: int | None, what: str) -> None:
+        """The order check (:mod:`~packgraph.graphs.order`), then move handed-out tensors this replay may write."""
+        check_replay_order(self, seq, what)
+        self.owner.group.handouts.before_replay(seq, self.owner.uid, self.pool)
+
     def load(self, dyn: list) -> None:
         keep_versions = self.trains and self.bwd_graph is None
         for i, j, buf, ptr in self.load_plan:
@@ -291,32 +308,24 @@ class Entry:
                     # The backward is not captured yet: it will run autograd over the graph recorded at forward
                     # capture, whose saved inputs are these buffers. Refilling them is what graphs are for, not
                     # the in-place change autograd's version check guards against.
-                    with _preserve_version(buf):
+                    with preserve_version(buf):
                         buf.copy_(src)
                 else:
                     buf.copy_(src)
 
+    def hand_out_outputs(self) -> list[Tensor]:
+        book = self.owner.group.handouts
+        return [book.hand_out(r) for r in self.out_records]
+
     def run(self, dyn: list) -> Any:
         if not self.trains or not torch.is_grad_enabled():
-            check_replay_order(self, self.fwd_seq, "forward")
+            self.before_replay(self.fwd_seq, "forward")
             with torch.no_grad():
                 self.load(dyn)
                 self.fwd_graph.replay()
-            outs = [o.detach() for o in self.static_outputs]
+            outs = self.hand_out_outputs()
         else:
-            grad_tensors = [dyn[i] for i in self.grad_positions]
-            if self.owner.param_grads == "autograd":
-                grad_tensors += self.owner.trainable_params
-            elif not grad_tensors:
-                grad_tensors = [self.owner.anchor]  # makes autograd call backward, which writes the param grads
-            if self.in_flight and not self.warned_pending:
-                self.warned_pending = True
-                logger.warning(
-                    "%s: forward replayed again before the previous replay's backward ran; that replay's saved "
-                    "activations and outputs are overwritten (one forward in flight per graph). Run backward "
-                    "first, or call under torch.no_grad() when no backward is intended.",
-                    self.owner.name,
-                )
+            grad_tensors = [dyn[i] for i in self.grad_positions] + self.trainable
             outs = Replay.apply(self, dyn, *grad_tensors)
         if self.single_output:
             return outs[0]
@@ -330,47 +339,23 @@ class Entry:
                 buf.zero_()  # the output did not reach the loss
             elif g.data_ptr() != ptr:
                 buf.copy_(g)
-        if self.owner.param_grads == "graph":
-            self._replay_accumulating()
-            extra: list = [None] if not self.grad_positions else []
-        else:
-            self.bwd_graph.replay()
-            # A param whose grad is None would adopt (steal) the returned tensor as .grad: give it a private copy.
-            extra = [
-                None if g is None else (g.clone() if p.grad is None else g.detach())
-                for p, g in zip(self.owner.trainable_params, self.static_param_grads, strict=True)
-            ]
-        out = []
-        for g, source, chained in zip(self.static_grad_inputs, stored, self.chained_grad_inputs, strict=True):
-            if g is None:
-                out.append(None)
-            elif chained or (source is not None and source.is_leaf and source.grad is not None):
-                # The producer graph reads it in place (chained), or autograd adds it into an existing .grad:
-                # nothing keeps the static buffer past this backward.
-                out.append(g.detach())
-            else:
-                # Autograd may keep it: as a leaf's first .grad, or through a view/reshape/clone of a leaf, whose
-                # backward passes the same storage on to AccumulateGrad. The next replay would overwrite it.
-                out.append(g.clone())
-        return out + extra
-
-    def _replay_accumulating(self) -> None:
-        stale = [(p, b) for p, b in self.param_pairs if p.grad is not b]
-        if not stale:
-            self.bwd_graph.replay()
-            return
-        # p.grad is None (zero_grad(set_to_none=True)) or a tensor the caller assigned: the graph accumulates into
-        # a zeroed buffer, which then becomes p.grad, or is added to the caller's tensor.
-        torch._foreach_zero_([b for _, b in stale])
         self.bwd_graph.replay()
-        foreign: list[tuple[Tensor, Tensor]] = []
-        for p, b in stale:
-            if p.grad is None:
-                p.grad = b
+        book = self.owner.group.handouts
+        n_in = len(self.grad_positions)
+        static = [*self.static_grad_inputs, *(None,) * (len(self.grad_records) - n_in)]
+        out: list[Tensor | None] = []
+        for k, record in enumerate(self.grad_records):
+            if record is None:
+                # Chained: the producer graph reads it in place; or no grad.
+                out.append(static[k].detach() if k < n_in and static[k] is not None else None)
+            elif k >= n_in or stored[k] is not None:
+                # A parameter or a leaf input: AccumulateGrad adopts or adds it, and the book knows whose .grad.
+                out.append(book.hand_out(record, leaf=stored[k] if k < n_in else None))
             else:
-                foreign.append((p.grad, b))
-        if foreign:
-            torch._foreach_add_([g for g, _ in foreign], [b for _, b in foreign])
+                # Another graph's or op's input: autograd may pass it on through views into some leaf's .grad
+                # that packgraph cannot find again, so that leaf gets a copy.
+                out.append(record.static.clone())
+        return out
 
 
 @contextlib.contextmanager
@@ -386,42 +371,31 @@ def explained_capture_errors(entry: Entry) -> Iterator[None]:
         ) from exc
 
 
-def check_replay_order(entry: Entry, seq: int | None, what: str) -> None:
-    """Raise :class:`GraphOrderError` if replaying ``entry``'s graph recorded at capture number ``seq`` could
-    overwrite memory of a graph of the group whose backward has not run yet (module docstring)."""
-    flights = entry.owner.group.in_flight
-    if not flights:
-        return
-    for key, other in list(flights.items()):
-        if other is entry or other.pool is not entry.pool:
-            continue
-        if not other.in_flight:  # its autograd graph was dropped: its backward will never run
-            del flights[key]
-            continue
-        if seq is not None and (other.fwd_seq > seq or other.activations_freed_at() < seq):
-            raise GraphOrderError(
-                f"{entry.owner.name}: replaying this {what} graph now could overwrite the saved activations or "
-                f"outputs of {other.owner.name} (a graph of the same memory pool, captured at another time), "
-                "whose forward ran and whose backward has not. Run that backward first, wrap forwards that need "
-                "no backward in torch.no_grad(), or capture with share_activations=False (each signature keeps "
-                "its own activations: more memory, fewer such conflicts)."
-            )
-
-
 _OUT = object()  # marks a tensor slot in an output template
 
 
-def _grad_buffer(p: Tensor) -> Tensor:
-    buf = _grad_buffers.get(p)
-    if buf is not None and buf.shape == p.shape and buf.dtype == p.dtype and buf.device == p.device:
-        return buf
-    g = p.grad
-    if g is not None and g.shape == p.shape and g.dtype == p.dtype and g.stride() == p.stride():
-        buf = g  # accumulate straight into the caller's grad tensor
-    else:
-        buf = torch.zeros_like(p, memory_format=torch.preserve_format)
-    _grad_buffers[p] = buf
-    return buf
+def _stand_in(p: Tensor) -> Tensor:
+    """A leaf sharing ``p``'s storage and version counter, of ``p``'s class (code may check for ``Parameter``)."""
+    if isinstance(p, torch.nn.Parameter):
+        return torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+    return p.detach().requires_grad_(p.requires_grad)
+
+
+@contextlib.contextmanager
+def _parameters_replaced(owner: GraphedCallable, replacement: dict[int, Tensor]) -> Iterator[None]:
+    """Within the block, every parameter slot of the module that holds a key of ``replacement`` holds its value."""
+    swapped = []
+    try:
+        if replacement:
+            for table, name, t, _ in owner.param_slots():
+                new = replacement.get(id(t))
+                if new is not None and table.get(name) is t:
+                    table[name] = new
+                    swapped.append((table, name, t))
+        yield
+    finally:
+        for table, name, t in swapped:
+            table[name] = t
 
 
 @contextlib.contextmanager
@@ -438,11 +412,15 @@ def _capture_mode(owner: GraphedCallable, train: bool) -> Iterator[None]:
 
 
 class Replay(torch.autograd.Function):
-    """Replays an entry's forward graph; its backward replays the backward graph."""
+    """Replays an entry's forward graph; its backward replays the backward graph.
+
+    Inputs: the entry, the call's dynamic inputs, then (as autograd inputs) the call's tensors that require grad
+    and the parameters the entry trains, so autograd routes, accumulates and hooks their grads as in eager.
+    """
 
     @staticmethod
     def forward(ctx: Any, entry: Entry, dyn: list, *grad_tensors: Tensor) -> tuple[Tensor, ...]:
-        check_replay_order(entry, entry.fwd_seq, "forward")
+        entry.before_replay(entry.fwd_seq, "forward")
         entry.load(dyn)
         entry.fwd_graph.replay()
         entry.flight = weakref.ref(ctx)
@@ -450,19 +428,26 @@ class Replay(torch.autograd.Function):
         ctx.entry = entry
         ctx.set_materialize_grads(False)
         n_in = len(entry.grad_positions)
-        ctx.stored = [t if (t.is_leaf or t.retains_grad) else None for t in grad_tensors[:n_in]]
-        outs = tuple(o.detach() for o in entry.static_outputs)
+        # Leaves whose .grad may adopt a handed-out input grad (weakly: the caller owns them).
+        ctx.stored = [t if t.is_leaf else None for t in grad_tensors[:n_in]] + [None] * (len(grad_tensors) - n_in)
+        outs = tuple(entry.hand_out_outputs())
         if entry.nondiff:
             ctx.mark_non_differentiable(*[outs[j] for j in entry.nondiff])
         return outs
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: Tensor) -> tuple:
         entry = ctx.entry
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{entry.owner.name}: backward with create_graph=True (double backward, e.g. a gradient penalty) "
+                "reached a graphed callable; its backward is a replayed CUDA graph and cannot be differentiated. "
+                "Run this callable eagerly for such losses."
+            )
         entry.flight = None
         entry.owner.group.in_flight.pop(id(entry), None)
         if entry.bwd_graph is None:
             entry.capture_backward_late()
-        check_replay_order(entry, entry.bwd_seq, "backward")
-        return (None, None, *entry.replay_backward(grads, ctx.stored))
+        entry.before_replay(entry.bwd_seq, "backward")
+        stored, ctx.stored = ctx.stored, None
+        return (None, None, *entry.replay_backward(grads, stored))

@@ -31,7 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from packgraph.params import DYNAMIC_FIELDS, PackedSeqParams, StaticSignature
+from packgraph.params import DYNAMIC_FIELDS, PackedSeqParams, ParamsType, StaticSignature, params_type_of
 
 __all__ = [
     "VALIDATE_MODES",
@@ -55,26 +55,33 @@ _PARAM_FIELDS = (*DYNAMIC_FIELDS, "seq_idx")
 
 
 class CallSignature(NamedTuple):
-    """The static signature of one call. Hashable; equal signatures can share a graph."""
+    """The static signature of one call. Hashable; equal signatures can share a graph.
+
+    ``frozen``: indices (in module order) of the parameters that did not require grad: a graph trains exactly the
+    others, so freezing or unfreezing one after capture selects another graph.
+    """
 
     args: tuple
     kwargs: tuple
     training: bool | None
     autocast: Any
+    frozen: tuple[int, ...] = ()
 
 
 class ParamsKey:
-    """A PackedSeqParams' :class:`StaticSignature` plus which fields share one tensor (``aliases``), hashable.
+    """A PackedSeqParams' :class:`StaticSignature`, which fields share one tensor (``aliases``) and the params class
+    the callable receives (``kind``: packgraph's, or a registered foreign one such as Megatron's), hashable.
 
     The hash is computed once: the key is reused for every call with the same params object.
     """
 
-    __slots__ = ("signature", "aliases", "_hash")
+    __slots__ = ("signature", "aliases", "kind", "_hash")
 
-    def __init__(self, signature: StaticSignature, aliases: tuple[tuple[str, ...], ...]) -> None:
+    def __init__(self, signature: StaticSignature, aliases: tuple[tuple[str, ...], ...], kind: type) -> None:
         self.signature = signature
         self.aliases = aliases
-        self._hash = hash((signature, aliases))
+        self.kind = kind
+        self._hash = hash((signature, aliases, kind))
 
     def __hash__(self) -> int:
         return self._hash
@@ -85,12 +92,13 @@ class ParamsKey:
         return (
             isinstance(other, ParamsKey)
             and self._hash == other._hash
+            and self.kind is other.kind
             and self.aliases == other.aliases
             and self.signature == other.signature
         )
 
     def __repr__(self) -> str:
-        return f"ParamsKey({self.signature}, aliases={self.aliases})"
+        return f"ParamsKey({self.signature}, aliases={self.aliases}, kind={self.kind.__qualname__})"
 
 
 class _Identity:
@@ -137,15 +145,29 @@ class PreparedParams:
     """A PackedSeqParams ready for a graph: validated, bucketed, reduced to what the graph may see.
 
     Attributes:
-        params: the prepared params (what the captured callable sees, rebuilt on static buffers).
+        params: the prepared params (rebuilt on static buffers, they are what the captured callable sees).
         key: their :class:`ParamsKey`.
         tensors: the distinct tensors of ``params`` in field order: the graph inputs.
         fields: for each of ``tensors``, the field names that hold it.
+        foreign: the :class:`~packgraph.params.ParamsType` of the caller's class when it is not packgraph's
+            (the callable then receives that class again).
     """
 
-    __slots__ = ("params", "key", "tensors", "fields", "_source", "_values", "_versions", "_source_tensors")
+    __slots__ = (
+        "params",
+        "key",
+        "tensors",
+        "fields",
+        "foreign",
+        "_source",
+        "_values",
+        "_versions",
+        "_source_tensors",
+    )
 
-    def __init__(self, source: PackedSeqParams, params: PackedSeqParams) -> None:
+    def __init__(
+        self, source: Any, params: PackedSeqParams, converted: PackedSeqParams, foreign: ParamsType | None = None
+    ) -> None:
         groups: dict[int, list[str]] = {}
         tensors: list[Tensor] = []
         for name in _PARAM_FIELDS:
@@ -159,13 +181,14 @@ class PreparedParams:
         self.params = params
         self.tensors = tuple(tensors)
         self.fields = tuple(tuple(groups[id(t)]) for t in tensors)
-        self.key = ParamsKey(params.static_signature(), self.fields)
+        self.foreign = foreign
+        self.key = ParamsKey(params.static_signature(), self.fields, type(source))
         self._source = weakref.ref(source)
         self._values = tuple(vars(source).values())
-        self._source_tensors = tuple({id(t): t for t in source.graph_inputs().values()}.values())
+        self._source_tensors = tuple({id(t): t for t in converted.graph_inputs().values()}.values())
         self._versions = _versions(self._source_tensors)
 
-    def is_current_for(self, source: PackedSeqParams) -> bool:
+    def is_current_for(self, source: Any) -> bool:
         """True when ``source`` is the object this was prepared from, with no field reassigned and no tensor
         modified in place since (version counters). Tensors with no version counter never match."""
         if self._source() is not source or self._versions is None:
@@ -174,8 +197,14 @@ class PreparedParams:
             return False
         return _versions(self._source_tensors) == self._versions
 
-    def rebuild(self, buffers: Sequence[Tensor]) -> PackedSeqParams:
-        """The prepared params on ``buffers`` (one per entry of ``tensors``), as the captured callable sees them."""
+    def rebuild(self, buffers: Sequence[Tensor]) -> Any:
+        """The prepared params on ``buffers`` (one per entry of ``tensors``), as the captured callable sees them:
+        a :class:`~packgraph.params.PackedSeqParams`, or the caller's foreign class."""
+        params = self.rebuild_packgraph(buffers)
+        return params if self.foreign is None else self.foreign.from_packgraph(params)
+
+    def rebuild_packgraph(self, buffers: Sequence[Tensor]) -> PackedSeqParams:
+        """:meth:`rebuild` as packgraph's own class, whatever the caller's."""
         inputs = {name: buf for names, buf in zip(self.fields, buffers, strict=True) for name in names}
         return PackedSeqParams.from_graph_inputs(inputs, self.key.signature)
 
@@ -216,7 +245,9 @@ class ParamsPreparer:
         self.cache_size = cache_size
         self._cache: OrderedDict[int, PreparedParams] = OrderedDict()
 
-    def __call__(self, params: PackedSeqParams) -> PreparedParams:
+    def __call__(self, params: Any) -> PreparedParams:
+        """``params``: a :class:`~packgraph.params.PackedSeqParams` or an instance of a registered foreign class
+        (converted at the boundary, tensors shared: no copy, no sync)."""
         prepared = self._cache.get(id(params))
         if prepared is not None and prepared.is_current_for(params):
             return prepared
@@ -227,7 +258,9 @@ class ParamsPreparer:
             self._cache.popitem(last=False)
         return prepared
 
-    def _prepare(self, params: PackedSeqParams) -> PreparedParams:
+    def _prepare(self, source: Any) -> PreparedParams:
+        foreign = None if isinstance(source, PackedSeqParams) else params_type_of(source)
+        params = source if foreign is None else foreign.to_packgraph(source)
         if self.validate != "off":
             params.validate(sync=self.validate == "sync")
         out = params
@@ -235,7 +268,7 @@ class ParamsPreparer:
             out = self.buckets.apply(out)  # ValueError when no bucket fits: its message says which ladder
         if not self.keep_mamba_fields:
             out = out.attention_view()
-        return PreparedParams(params, out)
+        return PreparedParams(source, out, params, foreign)
 
 
 # --------------------------------------------------------------------------------------------- flattening
@@ -276,6 +309,14 @@ def flatten_call(
     return args_key, kwargs_key, dyn
 
 
+def is_params(x: Any) -> bool:
+    """Whether ``x`` is split like PackedSeqParams: packgraph's class or a registered foreign one."""
+    return isinstance(x, PackedSeqParams) or (type(x) not in _PLAIN and params_type_of(x) is not None)
+
+
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, slice})
+
+
 def _leaf_or_tree(x: Any, dyn: list, prepare: Callable, chain_of: Callable | None) -> Any:
     if isinstance(x, Tensor):
         dyn.append(x)
@@ -284,7 +325,7 @@ def _leaf_or_tree(x: Any, dyn: list, prepare: Callable, chain_of: Callable | Non
             if token is not None:
                 return (_TENSOR, x.shape, x.dtype, x.device, x.requires_grad, token, x.stride())
         return (_TENSOR, x.shape, x.dtype, x.device, x.requires_grad)
-    if isinstance(x, PackedSeqParams):
+    if is_params(x):
         prepared = prepare(x)
         dyn.append(prepared)
         return prepared.key
@@ -295,7 +336,7 @@ def _leaf_or_tree(x: Any, dyn: list, prepare: Callable, chain_of: Callable | Non
 
 
 def _leaf(x: Any, dyn: list, prepare: Callable, chain_of: Callable | None) -> Any:
-    if isinstance(x, (Tensor, PackedSeqParams)):
+    if isinstance(x, Tensor) or is_params(x):
         return _leaf_or_tree(x, dyn, prepare, chain_of)
     return _static_key(x)
 
@@ -317,13 +358,11 @@ _END = object()
 
 
 def _rebuild(x: Any, it: Iterator) -> Any:
-    if isinstance(x, (Tensor, PackedSeqParams)):
+    if isinstance(x, Tensor) or is_params(x):
         return next(it)
     if _is_container(x):
         leaves, spec = pytree.tree_flatten(x)
-        return pytree.tree_unflatten(
-            [next(it) if isinstance(v, (Tensor, PackedSeqParams)) else v for v in leaves], spec
-        )
+        return pytree.tree_unflatten([next(it) if isinstance(v, Tensor) or is_params(v) else v for v in leaves], spec)
     return x
 
 
@@ -375,6 +414,8 @@ def signature_diff(captured: CallSignature, given: CallSignature) -> list[tuple[
         out.append(("module.training", captured.training, given.training))
     if captured.autocast != given.autocast:
         out.append(("autocast", captured.autocast or "off", given.autocast or "off"))
+    if captured.frozen != given.frozen:
+        out.append(("frozen parameters", captured.frozen, given.frozen))
     return out
 
 

@@ -1,0 +1,158 @@
+"""Recorders: what warms up and records the graphs of a capture group. :class:`CudaRecorder` makes CUDA graphs.
+
+The recorder protocol (what :class:`CudaRecorder` implements, and what a stand-in for CPU tests implements):
+
+* ``device_type``: the autocast device type of the signature (``"cuda"``);
+* ``check_input(tensor)``: raise if a dynamic input cannot be a graph input (wrong device);
+* ``warmup(run, iters, pool=None)``: call ``run()`` ``iters`` times, eagerly (CUDA: on the side stream, with its
+  memory taken from the graphs' pool);
+* ``record(body, pool=None) -> (graph, results)``: capture ``body()`` (which returns a list of tensors, the graph's
+  static results) into the recorder's pool, or ``pool``, and return an object whose ``replay()`` re-runs the
+  recorded work, writing into ``results``;
+* optional ``pool`` and ``new_pool()``: the shared pool, and a fresh one (for a capture that must not reuse the
+  shared pool's memory);
+* optional ``records_by_running = True``: ``record`` runs the body (a stand-in), so the engine keeps the autograd
+  graph a backward body consumes.
+
+:func:`use_recorder` is the engine's one test seam: within it, ``capture`` and ``capture_layers`` use the given
+recorder instead of a :class:`CudaRecorder`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from packgraph.graphs import safety
+
+__all__ = ["CudaRecorder", "use_recorder", "recorder_for"]
+
+_RECORDER: contextvars.ContextVar[Any] = contextvars.ContextVar("packgraph_recorder", default=None)
+_POOL_API = all(
+    hasattr(torch._C, name) for name in ("_cuda_beginAllocateToPool", "_cuda_endAllocateToPool", "_cuda_releasePool")
+)
+
+
+@contextlib.contextmanager
+def use_recorder(recorder: Any) -> Iterator[Any]:
+    """Within the block, :func:`~packgraph.graphs.capture` and :func:`~packgraph.graphs.capture_layers` record with
+    ``recorder`` instead of CUDA graphs.
+
+    A stand-in recorder (``tests/eager_recorder.py`` replays by re-running the recorded body) lets CPU tests drive
+    the production engine, and the models and integrations built on it, without a GPU. Captures keep the recorder
+    they were made with.
+    """
+    token = _RECORDER.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _RECORDER.reset(token)
+
+
+def recorder_for(pool: Any, sample_args: Any, who: str) -> Any:
+    """The stand-in of :func:`use_recorder` if one is active, else a :class:`CudaRecorder` on the samples' device."""
+    stand_in = _RECORDER.get()
+    if stand_in is not None:
+        return stand_in
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{who} needs a CUDA device (CUDA graphs), but torch.cuda.is_available() is False on this machine; "
+            "run the callable eagerly here"
+        )
+    device = next((t.device for t in pytree.tree_leaves(sample_args) if isinstance(t, Tensor) and t.is_cuda), None)
+    return CudaRecorder(pool, device)
+
+
+class CudaRecorder:
+    """Warms up and records CUDA graphs on one side stream into one memory pool (``pool``).
+
+    Warm-up runs allocate from the pool too (where torch exposes the allocator's pool routing): an eager warm-up
+    before a capture then reuses the memory that the graphs' temporaries and freed activations occupy instead of
+    adding an activation set of its own to the peak. The recorder holds each pool it warms up in until it is garbage
+    collected, so the pool exists before its first graph.
+    """
+
+    device_type = "cuda"
+
+    def __init__(self, pool: Any = None, device: torch.device | None = None) -> None:
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(self.device)
+        self._held: set[Any] = set()
+
+    def check_input(self, t: Tensor) -> None:
+        if t.device != self.device:
+            raise ValueError(f"graph inputs must be on {self.device}; got a tensor on {t.device}")
+
+    def warmup(self, run: Callable[[], None], iters: int, pool: Any = None) -> None:
+        # Lazy initialisation (cuBLAS workspaces, autotuning) must not land inside a capture.
+        torch.cuda.synchronize(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream), _without_donated_buffers(), self._allocating_in(pool or self.pool):
+            for _ in range(iters):
+                run()
+        torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def _allocating_in(self, pool: Any) -> Iterator[None]:
+        if not _POOL_API:
+            yield
+            return
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        torch._C._cuda_beginAllocateToPool(index, pool)  # every stream and thread: the backward runs on another
+        try:
+            yield
+        finally:
+            torch._C._cuda_endAllocateToPool(index, pool)
+            if pool in self._held:
+                torch._C._cuda_releasePool(index, pool)
+            else:  # keep the first use: the pool then outlives warm-ups that precede its first graph
+                self._held.add(pool)
+                weakref.finalize(self, _release_pool, index, pool)
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def record(self, body: Callable[[], list], pool: Any = None) -> tuple[Any, list]:
+        graph = torch.cuda.CUDAGraph()
+        pool = self.pool if pool is None else pool
+        previous = torch.cuda.current_stream(self.device)
+        try:
+            with (
+                safety.gc_paused(),  # a collection freeing an old graph would invalidate this capture
+                torch.cuda.graph(graph, pool=pool, stream=self.stream, **safety.CAPTURE_KWARGS),
+                _without_donated_buffers(),
+            ):
+                results = body()
+        except BaseException:
+            safety.recover_after_failed_capture(previous, self.device, pool)
+            raise
+        return graph, results
+
+
+def _release_pool(index: int, pool: Any) -> None:
+    with contextlib.suppress(Exception):  # at interpreter exit the allocator may be gone already
+        torch._C._cuda_releasePool(index, pool)
+
+
+def _without_donated_buffers() -> contextlib.AbstractContextManager:
+    """A torch.compile'd callable compiled in here keeps its saved activations for a retained backward.
+
+    By default AOTAutograd donates saved activations to the backward, which then refuses ``retain_graph=True``
+    ("compiled with non-empty donated buffers"); the engine retains the backward's graph when activations are not
+    shared (``share_activations=False``), so a compiled layer is compiled, during warm-up, without donation.
+    """
+    try:
+        import torch._functorch.config as config
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(config, "donated_buffer"):
+        return contextlib.nullcontext()
+    return config.patch(donated_buffer=False)
