@@ -176,38 +176,32 @@ class BucketPolicy:
 
 
 def default_buckets(total_tokens: int) -> BucketPolicy:
-    """The default policy for batches of ``total_tokens`` rows.
+    """The default policy for batches of ``total_tokens`` rows. It accepts every batch of at most ``total_tokens``
+    documents of at most ``total_tokens`` tokens each.
 
     * max_seqlen: ``256, 1024, 4096, ...`` (x4) below ``total_tokens``, then ``total_tokens`` itself (a document
       can never be longer than the batch);
-    * capacity: ``(8, 32, 128, 512)``, each capped at ``total_tokens``.
+    * capacity: ``8, 32, 128, 512, 2048, ...`` (x4) below ``total_tokens``, then ``total_tokens`` itself (the most
+      documents ``total_tokens`` rows can hold, one token each). Rungs past 512 serve only batches of that many
+      documents; a graph is captured for one only when such a batch comes.
 
-    Chosen from the attention micro-benchmark (``packgraph bench --attention-only``; H200, torch 2.11, FA2
-    varlen fwd+bwd timed as CUDA-graph replays, T=8192, corpus/short/long mixes, head_dim 64 and 128, 18
-    packings; bench/results/2026-11-29-h200-run4/). Against eager's exact (true max_seqlen, true count): this
-    ladder (16 buckets at T=8192) is at most 1.060x (mean 1.025x); x2 max_seqlen rungs from 256 (24 buckets)
-    gain nothing (1.060x worst); x2 capacity rungs from 8 (28 buckets) reach 1.035x worst; the naive static
-    choice (max_seqlen T, capacity 512) is up to 11.4x slower. Ghost slots cost ``ceil(max_seqlen / 128) x
-    heads`` empty FlashAttention blocks each, so capacity and max_seqlen rungs must both stay close to the batch.
-
-    A capacity rung 2 was tried and taken out again: it splits batches of one and two documents (the corpus at
-    T=2048 has 1.1 per batch) into two buckets. Two ``--standard`` runs on the H200, same profiler, small T=2048
-    corpus, with it / without it (2026-11-29-h200-standard-3 / -standard-4): graphs over 200 batches 2 / 1;
-    packgraph peak memory 1.29x / 0.84x eager's; GPU-busy 1.062x / 1.074x eager's. The rung recovers FA2's
-    backward (1.092 / 1.246 ms per step, eager 1.08-1.09), but neither meets 1.05x: the larger part is the grad
-    handoff (0.33 ms) and FA2's forward (0.79-0.81 ms, eager 0.62). It also made every bucketed torch.compile
-    method compile twice as often. In the attention sweep of the first run (T=8192) it left the worst ratio at
-    1.049x and moved the mean from 1.025x to 1.014x.
+    FlashAttention launches ``ceil(max_seqlen / 128) x capacity x heads`` blocks, so both rungs must stay close to
+    the batch: each ghost slot is a few empty blocks, each rung of slack in max_seqlen a wider grid. The rungs come
+    from measurements on the H200 (``packgraph bench --attention-only`` and ``bench/capacity_rung.py``); the
+    figures and the ladders tried are in ``docs/buckets.md``.
     """
     if total_tokens < 1:
         raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
-    seqlens = {total_tokens}
-    rung = 256
-    while rung < total_tokens:
-        seqlens.add(rung)
+    return BucketPolicy(_x4_ladder(256, total_tokens), _x4_ladder(8, total_tokens))
+
+
+def _x4_ladder(start: int, top: int) -> tuple[int, ...]:
+    rungs = []
+    rung = start
+    while rung < top:
+        rungs.append(rung)
         rung *= 4
-    capacities = {min(c, total_tokens) for c in (8, 32, 128, 512)}
-    return BucketPolicy(tuple(sorted(seqlens)), tuple(sorted(capacities)))
+    return (*rungs, top)
 
 
 def _true_extent(params: PackedSeqParams) -> tuple[int, int, dict[str, Sequence[int]] | None]:

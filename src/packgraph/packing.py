@@ -380,7 +380,7 @@ class PackedBatch:
             labels=self.labels.pin_memory(),
             loss_mask=self.loss_mask.pin_memory(),
             position_ids=self.position_ids.pin_memory(),
-            packed_seq_params=params.replace(host_offsets=params.host_offsets, **changes),
+            packed_seq_params=params.replace(host_offsets=params.current_host_offsets(), **changes),
             doc_lengths=self.doc_lengths,
         )
 

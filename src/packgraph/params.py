@@ -146,15 +146,26 @@ class StaticSignature:
 
 
 class HostOffsets(dict):
-    """Host copies of offset tensors (field name -> tuple of ints), with each tensor's ``_version`` when read.
+    """Host copies of offset tensors (field name -> tuple of ints), bound to the tensors they were read from.
 
-    An in-place write to a tensor (``cu_seqlens_q.copy_(...)``) bumps its version, which makes the copies stale:
-    :meth:`PackedSeqParams.current_host_offsets` then stops trusting them.
+    Each field remembers which tensor object it describes (weakly) and that tensor's autograd ``_version`` then.
+    The copies describe a field only while it still holds that very tensor at that version:
+    :meth:`PackedSeqParams.current_host_offsets` stops trusting them after a reassignment (even of a tensor of the
+    same length) or an in-place write (``cu_seqlens_q.copy_(...)`` bumps the version), and never trusts them for an
+    inference tensor, which has no version to tell an in-place write by.
     """
 
-    def __init__(self, offsets: Mapping[str, Sequence[int]], versions: Mapping[str, int | None]) -> None:
+    def __init__(self, offsets: Mapping[str, Sequence[int]], tensors: Mapping[str, Tensor]) -> None:
         super().__init__({name: tuple(offs) for name, offs in offsets.items()})
-        self.versions = dict(versions)
+        self.sources = {name: (weakref.ref(t), _version_of(t)) for name, t in tensors.items()}
+
+    def describes(self, name: str, t: Tensor) -> bool:
+        """Whether the copy of field ``name`` is still the value of ``t``."""
+        source = self.sources.get(name)
+        if source is None:
+            return False
+        ref, version = source
+        return ref() is t and version is not None and _version_of(t) == version
 
 
 def _version_of(t: Tensor) -> int | None:
@@ -201,29 +212,24 @@ class PackedSeqParams:
 
     def __post_init__(self) -> None:
         if self.host_offsets is not None and not isinstance(self.host_offsets, HostOffsets):
-            versions = {
-                name: _version_of(t) for name in self.host_offsets if isinstance(t := getattr(self, name, None), Tensor)
-            }
-            self.host_offsets = HostOffsets(self.host_offsets, versions)
+            tensors = {name: t for name in self.host_offsets if isinstance(t := getattr(self, name, None), Tensor)}
+            self.host_offsets = HostOffsets(self.host_offsets, tensors)
 
     def current_host_offsets(self) -> Mapping[str, tuple[int, ...]] | None:
-        """``host_offsets`` if they still describe the tensors, else None.
+        """``host_offsets`` if they still describe every tensor field they cover, else None.
 
-        They are stale when a tensor was written in place after they were read (its version moved) or when a
-        field now holds a tensor of another length (assigned directly instead of through :meth:`replace`).
+        They describe a field only while it holds the very tensor they were read from, at the autograd version it
+        had then (see :class:`HostOffsets`): a field assigned directly (not through :meth:`replace`), an in-place
+        write, or an inference tensor (no version) makes them stale, and the params then count as device-only.
         """
         host = self.host_offsets
         if host is None:
             return None
-        versions = getattr(host, "versions", {})
         for name, offs in host.items():
             t = getattr(self, name, None)
             if not isinstance(t, Tensor):
                 continue
-            if len(offs) != t.numel():
-                return None
-            version = _version_of(t)
-            if version is not None and versions.get(name) is not None and versions[name] != version:
+            if len(offs) != t.numel() or not host.describes(name, t):
                 return None
         return host
 
@@ -354,8 +360,12 @@ class PackedSeqParams:
     def replace(self, **changes: Any) -> PackedSeqParams:
         """A copy with some fields changed (``dataclasses.replace``). Host offsets are dropped when any
         dynamic field changes, since they would no longer describe the tensors."""
-        if any(k in changes for k in DYNAMIC_FIELDS) and "host_offsets" not in changes:
-            changes["host_offsets"] = None
+        if any(k in changes for k in DYNAMIC_FIELDS):
+            if "host_offsets" not in changes:
+                changes["host_offsets"] = None
+            elif isinstance(changes["host_offsets"], HostOffsets):
+                # The caller vouches that they describe the new tensors: bind them to those.
+                changes["host_offsets"] = dict(changes["host_offsets"])
         return dataclasses.replace(self, **changes)
 
     def attention_view(self) -> PackedSeqParams:
@@ -365,7 +375,8 @@ class PackedSeqParams:
         return dataclasses.replace(self, total_tokens=None, seq_idx=None)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedSeqParams:
-        """Move the tensor fields to ``device``; fields that share a tensor keep sharing one."""
+        """Move the tensor fields to ``device``; fields that share a tensor keep sharing one. Current host offsets
+        stay trusted (the moved tensors hold the same values)."""
         moved: dict[int, Tensor] = {}
         changes = {}
         for name in (*DYNAMIC_FIELDS, "seq_idx"):
@@ -374,7 +385,8 @@ class PackedSeqParams:
                 if id(t) not in moved:
                     moved[id(t)] = t.to(device, non_blocking=non_blocking)
                 changes[name] = moved[id(t)]
-        return dataclasses.replace(self, **changes)
+        host = self.current_host_offsets()
+        return dataclasses.replace(self, host_offsets=None if host is None else dict(host), **changes)
 
     def with_seq_idx(self) -> PackedSeqParams:
         """Params with Mamba's ``seq_idx`` derived on the device, shaped ``[1, total_tokens]`` int32.
