@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from packgraph.graphs import use_recorder
 from packgraph.models.gpt import GPT, PRESETS, SCOPES, GPTConfig
 from packgraph.packing import PackedBatch
 from packgraph.params import PackedSeqParams
@@ -217,11 +218,12 @@ def graph_batches():
 @pytest.mark.parametrize("scope", SCOPES)
 def test_graphed_wrapper_wiring_equals_eager_on_a_cpu_stand_in(scope):
     model = make_model(n_kv_head=2)
-    graphed = model.graphed(scope=scope, _recorder=EagerRecorder())
-    batches = graph_batches()
-    for b in batches:  # capture every set first (recording runs the bodies here, see EagerRecorder)
-        model.zero_grad(set_to_none=True)
-        graphed(b)[1].backward()
+    with use_recorder(EagerRecorder()):
+        graphed = model.graphed(scope=scope)
+        batches = graph_batches()
+        for b in batches:  # capture every set first (recording runs the bodies here, see EagerRecorder)
+            model.zero_grad(set_to_none=True)
+            graphed(b)[1].backward()
     sets = graphed.num_graph_sets
     assert sets == (1 if scope == "mlp" else 3)
     for b in batches:
@@ -252,8 +254,9 @@ def test_graphed_wrapper_wiring_equals_eager_on_a_cpu_stand_in(scope):
 @pytest.mark.parametrize("scope", ["layer", "attn", "model"])
 def test_graphed_forward_only_logprobs_equal_eager_on_a_cpu_stand_in(scope):
     model = make_model()
-    graphed = model.graphed(scope=scope, forward_only=True, _recorder=EagerRecorder())
-    for _ in range(2):
-        for b in graph_batches():
-            torch.testing.assert_close(graphed.token_logprobs(b), model.token_logprobs(b), rtol=0, atol=1e-6)
+    with use_recorder(EagerRecorder()):
+        graphed = model.graphed(scope=scope, forward_only=True)
+        for _ in range(2):
+            for b in graph_batches():
+                torch.testing.assert_close(graphed.token_logprobs(b), model.token_logprobs(b), rtol=0, atol=1e-6)
     assert graphed.num_graph_sets == 3

@@ -253,18 +253,8 @@ class GraphedMethod(Method):
 
     def _counts(self) -> tuple[int, int]:
         """``(signatures, captures)``: distinct signatures recorded (each graphs every layer, fwd+bwd) and the
-        per-callable captures summed over layers. Read from the wrapper's graph sets when it exposes them."""
-        sets = getattr(self.graphed, "_sets", None)
-        if not sets:
-            return int(self.graphed.captures), int(self.graphed.captures)
-        signatures = total = 0
-        for graph_set in sets.values():
-            captures = [
-                int(getattr(g, "captures", 1)) for g in (graph_set if isinstance(graph_set, list) else [graph_set])
-            ]
-            signatures += max(captures, default=0)
-            total += sum(captures)
-        return signatures, total
+        per-callable captures summed over layers."""
+        return int(self.graphed.captures), sum(int(g.captures) for g in self.graphed.callables)
 
     def graphs(self) -> int:
         return self._counts()[0]

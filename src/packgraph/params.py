@@ -620,7 +620,9 @@ _PARAMS_TYPES: dict[type, ParamsType] = {}
 _KNOWN_FOREIGN = {"megatron.core.packed_seq_params.PackedSeqParams": "packgraph.integrations.megatron"}
 
 
-def register_params_type(cls: type, *, to_packgraph: Callable[[Any], PackedSeqParams], from_packgraph: Callable) -> None:
+def register_params_type(
+    cls: type, *, to_packgraph: Callable[[Any], PackedSeqParams], from_packgraph: Callable[[PackedSeqParams], Any]
+) -> None:
     """Let ``capture``/``capture_layers`` split instances of ``cls`` like :class:`PackedSeqParams` (see
     :class:`ParamsType`). The captured callable then receives an instance of ``cls`` rebuilt on static buffers."""
     _PARAMS_TYPES[cls] = ParamsType(to_packgraph, from_packgraph)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from packgraph.graphs import safety
 
-__all__ = ["CudaRecorder", "use_recorder", "recorder_for"]
+__all__ = ["CudaRecorder", "use_recorder", "recorder_for", "stand_in"]
 
 _RECORDER: contextvars.ContextVar[Any] = contextvars.ContextVar("packgraph_recorder", default=None)
 _POOL_API = all(
@@ -56,6 +56,11 @@ def use_recorder(recorder: Any) -> Iterator[Any]:
         _RECORDER.reset(token)
 
 
+def stand_in() -> Any:
+    """The recorder of the innermost :func:`use_recorder` block, or None (capture records CUDA graphs)."""
+    return _RECORDER.get()
+
+
 def recorder_for(pool: Any, sample_args: Any, who: str) -> Any:
     """The stand-in of :func:`use_recorder` if one is active, else a :class:`CudaRecorder` on the samples' device."""
     stand_in = _RECORDER.get()
@@ -66,8 +71,14 @@ def recorder_for(pool: Any, sample_args: Any, who: str) -> Any:
             f"{who} needs a CUDA device (CUDA graphs), but torch.cuda.is_available() is False on this machine; "
             "run the callable eagerly here"
         )
-    device = next((t.device for t in pytree.tree_leaves(sample_args) if isinstance(t, Tensor) and t.is_cuda), None)
-    return CudaRecorder(pool, device)
+    tensors = [t for t in pytree.tree_leaves(sample_args) if isinstance(t, Tensor)]
+    elsewhere = next((t.device for t in tensors if not t.is_cuda), None)
+    if elsewhere is not None:
+        raise RuntimeError(
+            f"{who} records CUDA graphs: its sample tensors must be on a CUDA device, but one is on {elsewhere}. Move "
+            "the module and the inputs with .cuda(), or run the callable eagerly there"
+        )
+    return CudaRecorder(pool, next((t.device for t in tensors), None))
 
 
 class CudaRecorder:

@@ -18,11 +18,7 @@ target tokens (see :mod:`packgraph.train`), which equals one big batch's mean.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +40,6 @@ SCOPES: tuple[str, ...] = ("layer", "attn", "mlp", "model")
 whole forward+backward of the loss."""
 
 IGNORE_INDEX = -100
-_MANY_GRAPH_SETS = 16
 
 
 @dataclass
@@ -315,13 +310,14 @@ class GPT(nn.Module):
                 backward (its ``forward`` then returns ``(None, loss)``: the logits stay inside the graph).
                 Embedding, head and loss are eager in every scope but ``"model"``.
             buckets: map each batch's params to a static bucket (``BucketPolicy.apply``) before replay; one graph
-                set is captured per bucket, lazily, at the first batch that needs it.
+                set is captured per bucket, lazily, at the first batch that needs it, all in one capture group.
             sample_batch: capture the first graph set now from this batch's shape instead of at the first call.
             forward_only: no-grad graphs (scoring/eval). Call the wrapper under ``torch.no_grad()``.
             capture_opts: passed to :func:`packgraph.capture` / :func:`packgraph.capture_layers`.
 
         Raises:
-            RuntimeError: the model is not on a CUDA device (graphs need CUDA).
+            RuntimeError: the model is not on a CUDA device (graphs need CUDA; CPU tests use
+                ``packgraph.graphs.use_recorder``), at the first capture.
             ValueError: unknown scope.
         """
         return GraphedGPT(
@@ -363,11 +359,11 @@ class _LogprobModule(nn.Module):
 class GraphedGPT(nn.Module):
     """A :class:`GPT` whose block stack (or a part of it) replays CUDA graphs. Build with :meth:`GPT.graphed`.
 
-    Graph sets are keyed by the batch's static signature (after bucketing): ``T``, ``max_seqlen``, capacity and
-    the padded-offsets layout. A new key captures a new set (counted in :attr:`captures`); the first capture of a
-    set happens lazily inside the caller's context, so autocast state and grad mode match the replays. The
-    engine itself may still recapture within a set when something else static changes (training mode,
-    autocast); :attr:`recaptures` sums what it reports.
+    One engine capture serves every batch: the blocks (or their halves) go through one
+    :func:`~packgraph.graphs.capture_layers` call with the bucket policy, so all buckets share one capture group,
+    one memory pool, one set of static buffers per layer and a cache that holds every bucket. A batch of a new
+    bucket is captured by the engine at its first call, inside the caller's context (autocast, grad mode). Scope
+    ``"model"`` captures the whole loss with :func:`~packgraph.graphs.capture` the same way.
 
     Parameters are the wrapped model's (``self.model``); save ``graphed.model.state_dict()``.
     """
@@ -385,10 +381,10 @@ class GraphedGPT(nn.Module):
         super().__init__()
         if scope not in SCOPES:
             raise ValueError(f"unknown graph scope {scope!r}; choose one of {SCOPES}")
-        # A stand-in recorder (capture_with's) lets tests run the wrapper's wiring without CUDA.
-        self._recorder = capture_opts.pop("_recorder", None)
+        from packgraph.graphs.recorder import stand_in
+
         device = next(model.parameters()).device
-        if self._recorder is None and (device.type != "cuda" or not torch.cuda.is_available()):
+        if stand_in() is None and (device.type != "cuda" or not torch.cuda.is_available()):
             raise RuntimeError(
                 f"model.graphed() needs the model on a CUDA device (CUDA graphs), but it is on {device}; "
                 "move it with model.cuda() or run eagerly"
@@ -398,129 +394,80 @@ class GraphedGPT(nn.Module):
         self.buckets = buckets
         self.forward_only = forward_only
         self.capture_opts = capture_opts
-        self._sets: dict[Any, Any] = {}
-        self.captures = 0
+        self._graphed: list[Any] = []
         if sample_batch is not None:
-            params = self._bucketed(sample_batch.packed_seq_params)
-            params = params if scope == "model" else params.attention_view()
-            self._graph_set(sample_batch.tokens.shape[0], params, requires_grad=not forward_only)
+            self._capture(sample_batch.tokens.shape[0], sample_batch.packed_seq_params)
 
     # ------------------------------------------------------------------ stats
     @property
     def num_graph_sets(self) -> int:
-        return len(self._sets)
+        """Signatures (buckets, mostly) the graphs currently hold."""
+        return self._graphed[0].num_graphs if self._graphed else 0
+
+    @property
+    def captures(self) -> int:
+        """Graph sets captured so far (one per signature met)."""
+        return self._graphed[0].captures if self._graphed else 0
+
+    @property
+    def callables(self) -> list[Any]:
+        """The engine's graphed callables (one per block, or one for scope ``"model"``)."""
+        return list(self._graphed)
 
     @property
     def recaptures(self) -> int:
-        total = 0
-        for graphed in self._sets.values():
-            for g in graphed if isinstance(graphed, list) else [graphed]:
-                total += int(getattr(g, "recaptures", 0) or 0)
-        return total
+        """Captures beyond one per graph set and layer (a layer recaptured for another reason: a frozen
+        parameter, a module switched to eval alone...)."""
+        return max(0, sum(g.captures for g in self._graphed) - len(self._graphed) * self.captures)
 
     # ------------------------------------------------------------------ capture
-    def _bucketed(self, params: PackedSeqParams) -> PackedSeqParams:
-        return self.buckets.apply(params) if self.buckets is not None else params
+    def _capture(self, T: int, params: PackedSeqParams) -> None:
+        """The one engine capture, from sample inputs of ``T`` rows and ``params``' layout."""
+        from packgraph.graphs import capture, capture_layers
 
-    def _key(self, T: int, params: PackedSeqParams) -> Any:
-        if self.scope == "mlp":
-            return (T,)  # the MLP never sees the packing: one set serves every bucket
-        return (T, params.attention_view().static_signature())
-
-    def _sample_params(self, T: int, params: PackedSeqParams, device: torch.device) -> PackedSeqParams:
-        """Params with ``params``' static signature but made-up offsets (from ``fixed_shape_sample``)."""
-        from packgraph.packing import fixed_shape_sample
-
-        want = params.static_signature()
-        try:
-            sample = fixed_shape_sample(
-                T,
-                params.capacity,
-                max_seqlen=params.max_seqlen_q,
-                vocab_size=self.model.cfg.vocab_size,
-                pad_to_multiple=2 if params.cu_seqlens_q_padded is not None else 1,
-                device=device,
-            ).packed_seq_params.replace(total_tokens=params.total_tokens)
-            if params.total_tokens is None:
-                sample = sample.attention_view()
-        except ValueError:
-            sample = None
-        if sample is None or sample.static_signature() != want:
-            # The sample helper cannot reproduce this layout: capture on a copy of the real offsets instead.
-            clones: dict[int, Tensor] = {}  # q and kv often share one tensor: keep them shared
-            inputs = params.graph_inputs().items()
-            sample = params.replace(**{k: clones.setdefault(id(v), v.clone()) for k, v in inputs})
-        return sample
-
-    def _graph_set(self, T: int, params: PackedSeqParams, *, requires_grad: bool) -> Any:
-        key = self._key(T, params)
-        graphed = self._sets.get(key)
-        if graphed is not None:
-            return graphed
         model, cfg = self.model, self.model.cfg
-        capture, capture_layers = self._capture_functions()
         device = next(model.parameters()).device
-        opts = dict(self.capture_opts, forward_only=self.forward_only)
+        opts = dict(self.capture_opts, forward_only=self.forward_only, buckets=self.buckets)
         # A private generator: sample data must not advance the global RNG (eager and graphed runs stay in step).
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(T, cfg.d_model, device=device, generator=gen, dtype=model.embed.weight.dtype)
-        x.requires_grad_(requires_grad)
+        x.requires_grad_(not self.forward_only)
         if self.scope == "model":
-            sample_params = self._sample_params(T, params, device)
             tokens = torch.randint(0, cfg.vocab_size, (T,), device=device, generator=gen)
             labels = torch.randint(0, cfg.vocab_size, (T,), device=device, generator=gen)
             if self.forward_only:
-                graphed = capture(_LogprobModule(model), (tokens, labels, sample_params), **opts)
+                self._graphed = [capture(_LogprobModule(model), (tokens, labels, params), **opts)]
             else:
                 mask = torch.ones(T, device=device)
-                graphed = capture(_LossModule(model), (tokens, labels, mask, sample_params), **opts)
+                self._graphed = [capture(_LossModule(model), (tokens, labels, mask, params), **opts)]
         elif self.scope == "layer":
             # chain: each block's graph reads the previous block's output buffer in place (no copies).
-            graphed = capture_layers(list(model.blocks), (x, self._sample_params(T, params, device)), **opts)
+            self._graphed = capture_layers(list(model.blocks), (x, params), **opts)
         elif self.scope == "attn":
             # chain=False: an eager MLP sits between consecutive attention graphs.
-            attns = [b.attn for b in model.blocks]
-            graphed = capture_layers(attns, (x, self._sample_params(T, params, device)), chain=False, **opts)
+            self._graphed = capture_layers([b.attn for b in model.blocks], (x, params), chain=False, **opts)
         else:
-            graphed = capture_layers([b.mlp for b in model.blocks], (x,), chain=False, **opts)
-        self._sets[key] = graphed
-        self.captures += 1
-        if len(self._sets) == _MANY_GRAPH_SETS:
-            warnings.warn(
-                f"GraphedGPT has captured {_MANY_GRAPH_SETS} graph sets (one per static signature): batches vary "
-                "their max_seqlen/capacity freely. Map them onto a few buckets (graphed(buckets=BucketPolicy(...)) "
-                "or batches_from_corpus(policy=...)) to bound captures and memory.",
-                stacklevel=3,
-            )
-        return graphed
+            self._graphed = capture_layers([b.mlp for b in model.blocks], (x,), chain=False, **opts)
 
-    def _capture_functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """``(capture, capture_layers)``: the CUDA ones, or bound to an injected recorder (tests)."""
-        from packgraph.graphs import capture as capture_cuda
-        from packgraph.graphs import capture_layers as capture_layers_cuda
-
-        if self._recorder is None:
-            return capture_cuda, capture_layers_cuda
-        from packgraph.graphs.capture import capture_layers_with, capture_with
-
-        return functools.partial(capture_with, self._recorder), functools.partial(capture_layers_with, self._recorder)
+    def _graphs(self, T: int, params: PackedSeqParams) -> list[Any]:
+        if not self._graphed:
+            self._capture(T, params)
+        return self._graphed
 
     # ------------------------------------------------------------------ forward
     def forward_hidden(self, tokens: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
         """Like :meth:`GPT.forward_hidden`; the block stack (or the scope's half of it) replays graphs."""
         if self.scope == "model":
             raise RuntimeError("scope 'model' graphs the whole loss; forward_hidden is not available there")
-        # Only what attention reads crosses the graph boundary (Mamba-only fields would split signatures).
-        params = self._bucketed(packed_seq_params).attention_view()
         x = self.model.embed_tokens(tokens)
-        graphed = self._graph_set(x.shape[0], params, requires_grad=x.requires_grad)
+        graphed = self._graphs(x.shape[0], packed_seq_params)
         for i, block in enumerate(self.model.blocks):
             if self.scope == "layer":
-                x = graphed[i](x, params)
+                x = graphed[i](x, packed_seq_params)
             elif self.scope == "attn":
-                x = block.mlp(graphed[i](x, params))
+                x = block.mlp(graphed[i](x, packed_seq_params))
             else:
-                x = graphed[i](block.attn(x, params))
+                x = graphed[i](block.attn(x, packed_seq_params))
         return x
 
     def forward(
@@ -535,11 +482,9 @@ class GraphedGPT(nn.Module):
         if self.scope == "model":
             if labels is None or self.forward_only:
                 raise RuntimeError("scope 'model' graphs the training loss: call it with labels, forward_only=False")
-            params = self._bucketed(params)
             if loss_mask is None:
                 loss_mask = (labels != IGNORE_INDEX).float()
-            graphed = self._graph_set(tokens.shape[0], params, requires_grad=True)
-            return None, graphed(tokens, labels, loss_mask, params)
+            return None, self._graphs(tokens.shape[0], params)[0](tokens, labels, loss_mask, params)
         hidden = self.forward_hidden(tokens, params)
         if labels is None:
             return self.model.logits_from_hidden(hidden)
@@ -557,17 +502,5 @@ class GraphedGPT(nn.Module):
         if self.scope == "model":
             if not self.forward_only:
                 raise RuntimeError("scope 'model' logprobs need a forward_only=True wrapper")
-            params = self._bucketed(params)
-            # clone: the graph's output buffer is overwritten by the next replay.
-            return self._graph_set(tokens.shape[0], params, requires_grad=False)(tokens, labels, params).clone()
+            return self._graphs(tokens.shape[0], params)[0](tokens, labels, params)
         return logprobs_of_labels(self.model.logits_from_hidden(self.forward_hidden(tokens, params)), labels)
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Distinct parameters (a tied weight counts once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def config_dict(cfg: GPTConfig) -> dict[str, Any]:
-    """A JSON-ready dict of the config."""
-    return dataclasses.asdict(cfg)
