@@ -47,7 +47,9 @@ Other rules:
 
 from __future__ import annotations
 
+import functools
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -122,6 +124,8 @@ class GraphedCallable:
         registry = group.outputs
         self._chain_of = None if registry is None else (lambda t: registry.lookup(t, self.uid))
         self._device_type = group.recorder.device_type
+        self.grad_records: dict[int, Any] = {}  # id(param) -> the Handout of the grad last returned for it
+        self._hooks: list[Any] = []
         self._scan_slots()
 
     # ---------------------------------------------------------------- parameters
@@ -139,6 +143,15 @@ class GraphedCallable:
                         params.append(t)
         self._slots = slots
         self.params = params
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if not self.forward_only:
+            # AccumulateGrad adopts a first grad as a tensor of its own; the hook tells the book which one, so a
+            # .grad kept after zero_grad (a list of grads, say) is moved off graph memory, not overwritten.
+            me = weakref.ref(self)
+            self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_adopted, me)) for p in params]
+            weakref.finalize(self, _remove_hooks, self._hooks)
 
     def _frozen(self) -> tuple[int, ...]:
         """Indices of the parameters that do not require grad now (part of the signature). Also checks, on the
@@ -251,6 +264,18 @@ class GraphedCallable:
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, graphs={self.num_graphs}, captures={self.captures})"
+
+
+def _adopted(owner: weakref.ref, param: Tensor) -> None:
+    graphed = owner()
+    record = None if graphed is None else graphed.grad_records.get(id(param))
+    if record is not None:
+        record.adopted(param)
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 DEFAULT_MAX_GRAPHS = 8

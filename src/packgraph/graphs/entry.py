@@ -348,9 +348,12 @@ class Entry:
             if record is None:
                 # Chained: the producer graph reads it in place; or no grad.
                 out.append(static[k].detach() if k < n_in and static[k] is not None else None)
-            elif k >= n_in or stored[k] is not None:
-                # A parameter or a leaf input: AccumulateGrad adopts or adds it, and the book knows whose .grad.
-                out.append(book.hand_out(record, leaf=stored[k] if k < n_in else None))
+            elif k >= n_in:
+                # A parameter: AccumulateGrad adopts or adds it; the owner's hook tells the book what it adopted.
+                self.owner.grad_records[id(self.trainable[k - n_in])] = record
+                out.append(book.hand_out(record))
+            elif stored[k] is not None:
+                out.append(book.hand_out(record, leaf=stored[k]))  # a leaf input: the book watches its .grad
             else:
                 # Another graph's or op's input: autograd may pass it on through views into some leaf's .grad
                 # that packgraph cannot find again, so that leaf gets a copy.

@@ -50,7 +50,20 @@ class Handout:
         params: parameters whose ``.grad`` may adopt a view of it.
     """
 
-    __slots__ = ("static", "seq", "owner", "pool", "name", "params", "leaves", "aliases", "cdata", "baseline", "out")
+    __slots__ = (
+        "static",
+        "seq",
+        "owner",
+        "pool",
+        "name",
+        "params",
+        "leaves",
+        "aliases",
+        "cdata",
+        "ptr",
+        "baseline",
+        "out",
+    )
 
     def refs(self) -> int:
         """How many tensors (the engine's and everybody else's) reference the storage now."""
@@ -69,6 +82,7 @@ class Handout:
         self.aliases: list[weakref.ref] = []
         storage = static.untyped_storage()
         self.cdata = storage._cdata
+        self.ptr = static.data_ptr()
         self.baseline = _storage_refs(self.cdata)  # the engine's own references, measured before any handout
         self.out = False
 
@@ -80,6 +94,13 @@ class Handout:
     def unpin(self) -> None:
         self.baseline -= 1
 
+    def adopted(self, param: Tensor) -> None:
+        """``param``'s ``.grad`` was just set (a post-accumulate-grad hook): track it if it is a view of ours
+        (``AccumulateGrad`` adopts a new tensor of its own, which a caller may keep after ``zero_grad``)."""
+        g = param.grad
+        if self.out and g is not None and g.data_ptr() == self.ptr:
+            self.aliases.append(weakref.ref(g))
+
     def alias(self) -> Tensor:
         """A fresh view of the storage to hand out (tracked until the next replay that may write it)."""
         view = self.static.detach()
@@ -90,7 +111,7 @@ class Handout:
         """Move every known holder off the storage; raise if an unknown one is left."""
         if _storage_refs(self.cdata) <= self.baseline:
             return
-        ptr = self.static.data_ptr()
+        ptr = self.ptr
         holders: list[Tensor] = [a for a in (ref() for ref in self.aliases) if a is not None]
         grads = [p.grad for p in self.params] + [leaf.grad for leaf in (r() for r in self.leaves) if leaf is not None]
         holders += [g for g in grads if g is not None and g.data_ptr() == ptr]

@@ -1,0 +1,334 @@
+"""Eager autograd is the spec: each case compares a graphed callable with the eager module on the same inputs.
+
+The engine runs on the CPU stand-in recorder (``tests/eager_recorder.py``): replays re-run the recorded body and
+write the results into the static tensors, which is a CUDA graph's memory contract. The same cases run on the GPU
+in ``tests/cuda/test_autograd_exact_cuda.py``.
+"""
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from packgraph.buckets import default_buckets
+from packgraph.graphs import GraphOrderError, use_recorder
+from packgraph.graphs.capture import capture_layers_with, capture_with
+from packgraph.models.gpt import Block, GPTConfig
+from packgraph.ops import varlen_attention
+from packgraph.params import PackedSeqParams
+from tests.eager_recorder import EagerRecorder
+
+T, D = 48, 32
+
+
+def _block(seed=0):
+    torch.manual_seed(seed)
+    return Block(GPTConfig(d_model=D, n_head=4, n_layer=2, vocab_size=50)).double()
+
+
+def _params(lengths, capacity=8):
+    return PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=T, max_seqlen=T)
+
+
+def _x(seed, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, D, dtype=torch.float64, generator=g).requires_grad_(requires_grad)
+
+
+def _loss(out):
+    return (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum()
+
+
+def _grads(module):
+    return {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}
+
+
+def _same_grads(a, b):
+    assert a.keys() == b.keys()
+    for n in a:
+        assert (a[n] is None) == (b[n] is None), n
+        if a[n] is not None:
+            torch.testing.assert_close(a[n], b[n], msg=n)
+
+
+# ------------------------------------------------------------------------------------------------ 1: autograd.grad
+def test_autograd_grad_wrt_the_input_leaves_param_grads_alone():
+    block = _block()
+    p = _params([10, 20, 5])
+    graphed = capture_with(EagerRecorder(), block, (_x(0), p))
+    for fn in (block, graphed):
+        block.zero_grad(set_to_none=True)
+        x = _x(1)
+        (gx,) = torch.autograd.grad(_loss(fn(x, p)), [x])
+        assert all(q.grad is None for q in block.parameters())  # eager leaves every .grad as it was
+        if fn is block:
+            want = gx
+    torch.testing.assert_close(gx, want)
+    # With grads already there, they stay exactly as they were.
+    _loss(block(_x(2), p)).backward()
+    before = _grads(block)
+    x = _x(3)
+    torch.autograd.grad(_loss(graphed(x, p)), [x])
+    _same_grads(_grads(block), before)
+
+
+def test_backward_with_inputs_accumulates_only_those():
+    block = _block()
+    p = _params([10, 20, 5])
+    graphed = capture_with(EagerRecorder(), block, (_x(0), p))
+    target = block.attn.qkv.weight
+    results = []
+    for fn in (block, graphed):
+        block.zero_grad(set_to_none=True)
+        x = _x(1)
+        _loss(fn(x, p)).backward(inputs=[x, target])
+        results.append((x.grad.clone(), _grads(block)))
+    (gx_e, ge), (gx_g, gg) = results
+    torch.testing.assert_close(gx_g, gx_e)
+    _same_grads(gg, ge)
+    assert ge["attn.qkv.weight"] is not None and ge["mlp.down.weight"] is None
+
+
+def test_autograd_grad_of_params_returns_them_and_keeps_them_across_replays():
+    block = _block()
+    p = _params([10, 20, 5])
+    graphed = capture_with(EagerRecorder(), block, (_x(0), p))
+    params = list(block.parameters())
+    held = torch.autograd.grad(_loss(graphed(_x(1), p)), params)  # views of the graph's grads, handed out
+    kept = [g.clone() for g in held]
+    torch.autograd.grad(_loss(graphed(_x(2), p)), params)  # the next replay rewrites the graph's grads
+    for g, k in zip(held, kept, strict=True):
+        torch.testing.assert_close(g, k, rtol=0, atol=0)  # the first results are what eager would still hold
+    want = torch.autograd.grad(_loss(block(_x(1), p)), params)
+    for g, w in zip(held, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+# ------------------------------------------------------------------------------------------------ 2: frozen params
+def test_parameters_frozen_and_unfrozen_after_capture():
+    block = _block()
+    p = _params([10, 20, 5])
+    graphed = capture_with(EagerRecorder(), block, (_x(0), p))
+    for frozen in (["attn.qkv.weight"], ["attn.qkv.weight", "mlp.gate_up.weight"], []):
+        for name, q in block.named_parameters():
+            q.requires_grad_(name not in frozen)
+        got = []
+        for fn in (block, graphed):
+            block.zero_grad(set_to_none=True)
+            _loss(fn(_x(4), p)).backward()
+            got.append(_grads(block))
+        _same_grads(got[1], got[0])
+        for name in frozen:
+            assert got[1][name] is None
+    assert graphed.captures == 3  # one graph per set of trained parameters; unfreezing all reuses the first
+    assert graphed.num_graphs == 3
+
+
+# ------------------------------------------------------------------------------------------------ 3: host offsets
+def test_a_reassigned_cu_seqlens_is_not_bucketed_from_stale_host_offsets():
+    policy = default_buckets(2048)
+    params = PackedSeqParams.from_seqlens([100, 20], capacity=8, total_tokens=2048, max_seqlen=2048)
+    new = torch.tensor([0, 1000, 1020] + [1020] * 6, dtype=torch.int32)  # same length, other values
+    params.cu_seqlens_q = new
+    params.cu_seqlens_kv = new
+    assert params.current_host_offsets() is None
+    bucketed = policy.apply(params)
+    assert bucketed.max_seqlen_q >= 1000  # from the params' own static bound, not the stale 100
+    q = torch.randn(2048, 2, 8, dtype=torch.float64)
+    ref = PackedSeqParams.from_seqlens([1000, 20], capacity=8, total_tokens=2048, max_seqlen=1000)
+    torch.testing.assert_close(varlen_attention(q, q, q, bucketed), varlen_attention(q, q, q, ref))
+
+
+def test_host_offsets_follow_the_tensor_objects_and_their_versions():
+    params = PackedSeqParams.from_seqlens([5, 7], capacity=4, total_tokens=16)
+    assert params.current_host_offsets() is not None
+    assert params.to("cpu").current_host_offsets() is not None  # moved: same values, still trusted
+    params.cu_seqlens_q.add_(0)  # an in-place write, even one that changes nothing
+    assert params.current_host_offsets() is None
+    with torch.inference_mode():
+        inference = PackedSeqParams.from_seqlens([5, 7], capacity=4, total_tokens=16)
+    assert inference.current_host_offsets() is None  # no version counter: never trusted
+
+
+# ------------------------------------------------------------------------------------------------ 4-5: buckets
+@pytest.mark.parametrize("T", [100, 2048, 4096, 8192])
+def test_default_ladder_fits_every_valid_batch(T):
+    policy = default_buckets(T)
+    rng = random.Random(T)
+    for n in (1, 2, 511, 513, 600, T // 2, T):
+        if n > T:
+            continue
+        longest = rng.randint(0 if n > 1 else 1, T // n)
+        bucket = policy.bucket_for(longest, n)
+        assert bucket.capacity >= n and bucket.max_seqlen >= longest
+    assert policy.bucket_for(T, 1).max_seqlen == T
+    assert policy.bucket_for(1, T).capacity == T
+
+
+def test_a_bucketed_cache_holds_every_bucket():
+    policy = default_buckets(T)
+    lin = nn.Linear(D, D).double()
+
+    def attend(x, params):
+        return varlen_attention(lin(x).view(T, 4, D // 4), x.view(T, 4, D // 4), x.view(T, 4, D // 4), params)
+
+    rng = random.Random(0)
+    graphed = capture_with(EagerRecorder(), attend, (_x(0, requires_grad=False), _params([5])), buckets=policy)
+    buckets = [(s, c) for s in policy.max_seqlen_ladder for c in policy.capacity_ladder]
+    for _ in range(3):
+        for max_seqlen, capacity in buckets:
+            n = min(capacity, T)
+            lengths = [1] * n
+            lengths[0] = min(max_seqlen, T - (n - 1))
+            params = PackedSeqParams.from_seqlens(lengths, capacity=n, total_tokens=T, max_seqlen=T)
+            with torch.no_grad():
+                graphed(_x(rng.randint(0, 9), requires_grad=False), params)
+    assert graphed.evictions == 0 and graphed.num_graphs == graphed.captures <= policy.num_buckets
+
+
+# ------------------------------------------------------------------------------------------------ create_graph
+def test_double_backward_is_refused_with_a_clear_error():
+    block = _block()
+    p = _params([10, 20])
+    graphed = capture_with(EagerRecorder(), block, (_x(0), p))
+    x = _x(1)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(_loss(graphed(x, p)), [x], create_graph=True)
+
+
+# ------------------------------------------------------------------------------------------------ storage changes
+def test_parameters_moved_after_capture_are_detected_and_recaptured():
+    block = _block()
+    p = _params([10, 20, 5])
+    graphed = capture_with(EagerRecorder(), block, (_x(0), p))
+    ref = _block()
+    ref.load_state_dict(block.state_dict())
+    # assign=True puts new tensors (new storage) in the module: the old graph would read stale weights
+    fresh = {k: v.clone() * 1.5 for k, v in ref.state_dict().items()}
+    block.load_state_dict(fresh, assign=True)
+    ref.load_state_dict(fresh)
+    for fn, module in ((graphed, block), (ref, ref)):
+        module.zero_grad(set_to_none=True)
+        _loss(fn(_x(2), p)).backward()
+    torch.testing.assert_close(graphed(_x(3), p), ref(_x(3), p))
+    _same_grads(_grads(block), _grads(ref))
+    assert graphed.captures == 2
+    block.float()  # module.to(dtype): new storage again
+    out = graphed(_x(3).float(), p)
+    torch.testing.assert_close(out, ref.float()(_x(3).float(), p))
+
+
+# ------------------------------------------------------------------------------------------------ hooks
+def test_gradient_hooks_fire_as_in_eager():
+    block = _block()
+    p = _params([10, 20, 5])
+    graphed = capture_with(EagerRecorder(), block, (_x(0), p))
+    results = []
+    for fn in (block, graphed):
+        seen = {"tensor": 0, "post": 0}
+
+        def double(g, seen=seen):
+            seen["tensor"] += 1
+            return 2 * g
+
+        def post(param, seen=seen):
+            seen["post"] += 1
+
+        handles = [block.attn.qkv.weight.register_hook(double)]
+        handles += [q.register_post_accumulate_grad_hook(post) for q in block.parameters()]
+        block.zero_grad(set_to_none=True)
+        for i in range(2):  # two micro-batches: hooks fire for each
+            _loss(fn(_x(5 + i), p)).backward()
+        results.append((dict(seen), _grads(block)))
+        for h in handles:
+            h.remove()
+    (seen_e, ge), (seen_g, gg) = results
+    assert seen_g == seen_e == {"tensor": 2, "post": 2 * len(ge)}
+    _same_grads(gg, ge)
+
+
+# ------------------------------------------------------------------------------------------------ handed-out memory
+def test_outputs_held_across_calls_keep_their_values():
+    block = _block()
+    p = _params([10, 20, 5])
+    graphed = capture_with(EagerRecorder(), block, (_x(0), p), forward_only=True)
+    with torch.no_grad():
+        held = [graphed(_x(i), p) for i in range(4)]  # each call rewrites the static output
+        for i, out in enumerate(held):
+            torch.testing.assert_close(out, block(_x(i), p))
+
+
+def test_grads_kept_across_steps_keep_their_values():
+    block = _block()
+    p = _params([10, 20, 5])
+    graphed = capture_with(EagerRecorder(), block, (_x(0), p))
+    history = []
+    for i in range(3):
+        block.zero_grad(set_to_none=True)
+        _loss(graphed(_x(i), p)).backward()
+        history.append(block.attn.qkv.weight.grad)  # no clone: eager keeps each step's tensor as it was
+    for i, g in enumerate(history):
+        block.zero_grad(set_to_none=True)
+        _loss(block(_x(i), p)).backward()
+        torch.testing.assert_close(g, block.attn.qkv.weight.grad)
+
+
+def test_zero_grad_without_set_to_none_and_micro_batches_match_eager():
+    block = _block()
+    p = _params([10, 20, 5])
+    graphed = capture_with(EagerRecorder(), block, (_x(0), p))
+    got = []
+    for fn in (block, graphed):
+        block.zero_grad(set_to_none=True)
+        for step in range(3):
+            block.zero_grad(set_to_none=False)
+            for mb in range(2):
+                _loss(fn(_x(10 * step + mb), p)).backward()
+        got.append(_grads(block))
+    _same_grads(got[1], got[0])
+
+
+def test_a_view_of_an_output_kept_across_calls_is_refused_not_overwritten():
+    block = _block()
+    p = _params([10, 20, 5])
+    graphed = capture_with(EagerRecorder(), block, (_x(0), p), forward_only=True)
+    with torch.no_grad():
+        first = graphed(_x(1), p)[:4]  # a view the engine cannot move
+        with pytest.raises(GraphOrderError, match="still referenced"):
+            graphed(_x(2), p)
+        torch.testing.assert_close(first, block(_x(1), p)[:4])
+
+
+def test_layers_chained_in_a_stack_match_eager_over_steps_and_buckets():
+    policy = default_buckets(T)
+    layers = nn.ModuleList(_block(seed) for seed in range(3))
+    graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), _params([12, 3])), buckets=policy)
+    rng = random.Random(3)
+    for step in range(6):
+        lengths = [rng.randint(1, 5) for _ in range(rng.choice([1, 3, 9]))]
+        params = PackedSeqParams.from_seqlens(lengths, capacity=len(lengths), total_tokens=T, max_seqlen=T)
+        results = []
+        for stack in (layers, graphed):
+            layers.zero_grad(set_to_none=True)
+            x = _x(step)
+            h = x
+            for layer in stack:
+                h = layer(h, params)
+            _loss(h).backward()
+            results.append((h.detach().clone(), x.grad.clone(), _grads(layers)))
+        torch.testing.assert_close(results[1][0], results[0][0])
+        torch.testing.assert_close(results[1][1], results[0][1])
+        _same_grads(results[1][2], results[0][2])
+    assert graphed[0].num_graphs >= 2  # several buckets met
+    assert all(g.evictions == 0 for g in graphed)
+
+
+def test_use_recorder_drives_capture_without_cuda():
+    block = _block()
+    p = _params([10, 20])
+    import packgraph
+
+    with use_recorder(EagerRecorder()):
+        graphed = packgraph.capture(block, (_x(0), p))
+    torch.testing.assert_close(graphed(_x(1), p), block(_x(1), p))
