@@ -322,6 +322,11 @@ def test_layers_chained_in_a_stack_match_eager_over_steps_and_buckets():
         _same_grads(results[1][2], results[0][2])
     assert graphed[0].num_graphs >= 2  # several buckets met
     assert all(g.evictions == 0 for g in graphed)
+    for g in graphed:  # one set of buffers per layer, whatever the number of buckets
+        first, *later = g.cache.values()
+        for entry in later:
+            assert all(a is b for a, b in zip(entry.static_outputs, first.static_outputs, strict=True))
+            assert [id(t) for t in entry.statics()] == [id(t) for t in first.statics()]
 
 
 def test_use_recorder_drives_capture_without_cuda():

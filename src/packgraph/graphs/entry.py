@@ -131,6 +131,10 @@ class Entry:
         owner = self.owner
         train = not owner.forward_only
         targets = self._grad_targets() if train else []
+        if owner.buffers.has_param_grads:
+            # An earlier capture of this callable already ran every weight-grad kernel (their shapes do not depend
+            # on the signature): warming up input grads alone keeps a second set of parameter grads off the peak.
+            targets = targets[: len(self.grad_positions)]
 
         def run() -> None:
             with _capture_mode(owner, train):
@@ -197,18 +201,25 @@ class Entry:
         self.grad_plan = [(j, g, g.data_ptr()) for j, g in enumerate(self.static_grad_outputs) if g is not None]
         pattern: list[bool] = []
         before = [r.refs() for r in self.out_records]
+        n_in = len(self.grad_positions)
+        shared = owner.buffers.param_grads(self.trainable)
+        # Without retain_graph the saved activations go back to the pool when this capture ends, and later captures
+        # (other signatures) reuse them; retained, they stay this graph's alone. A stand-in recorder that runs the
+        # body to record it replays by running it again on the same autograd graph: it keeps it.
+        retain = not owner.share_activations or getattr(owner.group.recorder, "records_by_running", False)
 
         def body() -> list:
             outs = [self.raw_outputs[j] for j in diff]
             grad_outs = [self.static_grad_outputs[j] for j in diff]
-            # Without retain_graph the saved activations go back to the pool when this capture ends, and later
-            # captures (other signatures) reuse them; retained, they stay this graph's alone. A stand-in recorder
-            # that runs the body to record it replays by running it again on the same autograd graph: it keeps it.
-            retain = not owner.share_activations or getattr(owner.group.recorder, "records_by_running", False)
-            grads = torch.autograd.grad(outs, targets, grad_outs, retain_graph=retain, allow_unused=True)
+            if shared is None:
+                grads = list(torch.autograd.grad(outs, targets, grad_outs, retain_graph=retain, allow_unused=True))
+            else:
+                grads = self._accumulate_into(shared, outs, grad_outs, retain)
             pattern[:] = [g is not None for g in grads]
-            role = ("grads", tuple(pattern), tuple(map(id, self.trainable)))
-            return owner.buffers.write(role, [g for g in grads if g is not None])
+            present = [g for g in grads if g is not None]
+            n_present_in = sum(pattern[:n_in])
+            inputs = owner.buffers.write(("grad_inputs", tuple(pattern[:n_in])), present[:n_present_in])
+            return inputs + present[n_present_in:]
 
         self.bwd_graph, kept = owner.group.recorder.record(body, pool=self.pool)
         self.bwd_seq = owner.group.next_seq()
@@ -216,7 +227,8 @@ class Entry:
             record.forget_released(n)  # the forward capture's autograd graph is gone now
         it = iter(kept)
         grads = [next(it) if present else None for present in pattern]
-        n_in = len(self.grad_positions)
+        if shared is None:
+            owner.buffers.keep_param_grads(self.trainable, grads[n_in:])
         self.static_grad_inputs = grads[:n_in]
         self.grad_records = []
         for k, g in enumerate(grads):
@@ -228,6 +240,30 @@ class Entry:
             name = f"{what} of {owner.name}"
             record = owner.buffers.record(g, seq=self.bwd_seq, pool=self.pool, name=name, params=params)
             self.grad_records.append(record)
+
+    def _accumulate_into(self, shared: list[Tensor], outs: list, grad_outs: list, retain: bool) -> list:
+        """The backward body of a later signature: zero the primary's parameter grads and let autograd's
+        ``AccumulateGrad`` add into them, each grad freed as soon as it is added (no second set, even at capture).
+        Returns the grads of the inputs, then the shared grads of the parameters it reached (None for the others)."""
+        inputs = [self.static_inputs[i] for i in self.grad_positions]
+        reached: set[int] = set()
+        hooks = [
+            s.register_post_accumulate_grad_hook(lambda _, k=k: reached.add(k)) for k, s in enumerate(self.stand_ins)
+        ]
+        try:
+            torch._foreach_zero_(shared)
+            for stand_in, g in zip(self.stand_ins, shared, strict=True):
+                stand_in.grad = g
+            for t in inputs:
+                t.grad = None
+            torch.autograd.backward(outs, grad_outs, inputs=[*inputs, *self.stand_ins], retain_graph=retain)
+            grads = [t.grad for t in inputs]
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for t in (*inputs, *self.stand_ins):
+                t.grad = None
+        return grads + [g if k in reached else None for k, g in enumerate(shared)]
 
     def capture_backward_late(self) -> None:
         """Record the backward graph at its first use (inside autograd's backward): a signature first met at call
