@@ -73,7 +73,9 @@ def test_default_buckets(total_tokens):
     assert seqlens[-1] == total_tokens
     powers_of_four = [4**k for k in range(4, 10) if 4**k < total_tokens]  # 256, 1024, 4096, ...
     assert list(seqlens[:-1]) == powers_of_four
-    assert caps == tuple(sorted({min(c, total_tokens) for c in (8, 32, 128, 512)}))
+    # capacity: 8, 32, 128, ... (x4) below T, then T itself: every batch of at most T documents fits
+    assert caps == (*[8 * 4**k for k in range(12) if 8 * 4**k < total_tokens], total_tokens)
+    assert policy.bucket_for(1, total_tokens).capacity == total_tokens
     assert policy.num_buckets <= 40, "default ladders must stay small"
     with pytest.raises(ValueError):
         default_buckets(0)

@@ -97,6 +97,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             ["small", 2048, "short", ["eager", "padded", "packgraph", "packgraph-model"]],
             ["small", 2048, "long", ["eager", "padded", "packgraph", "packgraph-model"]],
             ["small", 8192, "corpus", ["eager", "padded", "packgraph"]],
+            # a stream that visits every bucket of the ladder: memory and captures at their worst
+            ["small", 2048, "buckets", ["eager", "packgraph", "packgraph-model"]],
         ],
         steps=20,
         warmup=3,

@@ -10,6 +10,8 @@ Mixes:
 * ``corpus``: the embedded corpus (stdlib sources), heavy-tailed; documents longer than ``T`` are truncated.
 * ``short``: many short documents (log-normal lengths, median 128 tokens, clipped to [8, 1024]).
 * ``long``: a few long documents (uniform lengths in [T/8, T]).
+* ``buckets``: a tour of the bucket ladder: batch ``i`` lands in the ``i``-th reachable bucket of the policy
+  (in a seeded order, cycling), so a stream of ``n >= buckets`` batches captures every graph the policy can need.
 
 Synthetic documents are slices of the corpus' token stream, so their contents are real text. Bins are packed
 first-fit decreasing under the default bucket policy's largest capacity, then sampled in a seeded random order
@@ -33,7 +35,7 @@ from packgraph.packing import PackedBatch, pack_sequences
 
 __all__ = ["MIXES", "StreamStats", "batch_stream", "doc_tokens", "mix_documents", "stream_stats"]
 
-MIXES: tuple[str, ...] = ("corpus", "short", "long")
+MIXES: tuple[str, ...] = ("corpus", "short", "long", "buckets")
 
 
 @functools.lru_cache(maxsize=4)
@@ -65,7 +67,7 @@ def mix_documents(
         ValueError: unknown mix (the message lists the known ones).
     """
     corpus = _corpus(max_corpus_docs)
-    if mix == "corpus":
+    if mix in ("corpus", "buckets"):
         return list(corpus)
     rng = random.Random(f"{mix}-{T}-{seed}")
     if mix == "short":
@@ -110,6 +112,8 @@ def batch_stream(
     every batch fits the policy. Deterministic for a given (mix, T, n, seed, corpus).
     """
     policy = policy or default_buckets(T)
+    if mix == "buckets":
+        return _bucket_tour(T, n, policy, seed=seed, max_corpus_docs=max_corpus_docs)
     docs = mix_documents(mix, T, num_tokens=int(1.25 * (n + 2) * T), seed=seed, max_corpus_docs=max_corpus_docs)
     lengths = [min(len(d), policy.max_seqlen, T) for d in docs]
     packing = pack_sequences(lengths, T, max_seqs_per_bin=policy.max_capacity, overlong="truncate")
@@ -125,6 +129,33 @@ def batch_stream(
         rng.shuffle(bin_docs)
         longest = max((len(d) for d in bin_docs), default=1)
         stream.append(PackedBatch.from_documents(bin_docs, bin_size=T, capacity=len(bin_docs), max_seqlen=longest))
+    return stream
+
+
+def _bucket_tour(
+    T: int, n: int, policy: BucketPolicy, *, seed: int, max_corpus_docs: int | None
+) -> list[PackedBatch]:
+    """``n`` batches that visit every bucket a batch of ``T`` rows can reach: bucket ``(S, C)`` gets a longest
+    document just over the rung below ``S`` and one more document than the rung below ``C`` (the rest 1 token)."""
+    seqlens, caps = (0, *policy.max_seqlen_ladder), (0, *policy.capacity_ladder)
+    reachable = [
+        (seqlens[i - 1] + 1, caps[j - 1] + 1)
+        for i in range(1, len(seqlens))
+        for j in range(1, len(caps))
+        if seqlens[i - 1] + 1 + caps[j - 1] <= T
+    ]
+    rng = random.Random(f"stream-buckets-{T}-{seed}")
+    rng.shuffle(reachable)
+    text = _corpus_text(max_corpus_docs)
+    stream = []
+    for k in range(n):
+        longest, count = reachable[k % len(reachable)]
+        lengths = [longest] + [1] * (count - 1)
+        start = rng.randrange(max(1, text.numel() - T))
+        tokens = text[start : start + sum(lengths)]
+        docs = list(torch.split(tokens, lengths))
+        rng.shuffle(docs)
+        stream.append(PackedBatch.from_documents(docs, bin_size=T, capacity=count, max_seqlen=longest))
     return stream
 
 

@@ -267,6 +267,7 @@ class GraphedMethod(Method):
             "graph_sets": int(self.graphed.captures),
             "callable_captures": self._counts()[1],
             "recaptures": int(self.graphed.recaptures),
+            "evictions": sum(int(g.evictions) for g in self.graphed.callables),
         }
 
     def close(self) -> None:
