@@ -1,17 +1,23 @@
 """Training loop, data pipeline, checkpoint/resume and log tools, on CPU with the tiny preset."""
 
+import collections
+import contextlib
 import json
 import math
+import traceback
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from packgraph.data.corpus import VOCAB_SIZE, load_corpus
 from packgraph.data.stream import DataStream, corpus_documents, split_documents
+from packgraph.graphs import use_recorder
 from packgraph.models.gpt import GPT
 from packgraph.runlog import convergence_report, ema, read_log, throughput
-from packgraph.train import TrainConfig, accumulate_gradients, train
+from packgraph.train import TrainConfig, Trainer, accumulate_gradients, load_checkpoint, train
+from tests.eager_recorder import EagerRecorder
 
 
 def tiny_cfg(tmp_path, name="run", **kw) -> TrainConfig:
@@ -65,8 +71,8 @@ def test_resume_continues_the_same_loss_curve_bitwise(tmp_path):
     )
     assert resumed.first_step == 5
     assert resumed.losses == full.losses[5:]  # bitwise: same params, optimizer, schedule, RNG and batches
-    a = torch.load(full.checkpoint_path, weights_only=False)
-    b = torch.load(resumed.checkpoint_path, weights_only=False)
+    a = torch.load(full.checkpoint_path, weights_only=True)  # checkpoints are data: tensors and plain values
+    b = torch.load(resumed.checkpoint_path, weights_only=True)
     assert a["step"] == b["step"] == 10 and a["data"] == b["data"]
     for name, t in a["model"].items():
         assert torch.equal(t, b["model"][name]), name
@@ -260,3 +266,115 @@ def test_deterministic_kernels_mode_is_set_inside_and_restored_after():
     assert not torch.are_deterministic_algorithms_enabled()
     with deterministic_kernels(False):
         assert not torch.are_deterministic_algorithms_enabled()
+
+
+# ---------------------------------------------------------------------------------------------- host syncs
+# Every way Python code reads a tensor's value on the host: on CUDA each is a device-to-host transfer and a sync.
+_HOST_READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__bool__,
+    torch.Tensor.__index__,
+}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts host reads of tensor values (and device-to-CPU moves), with the Python line of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.where = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        moved_to_cpu = func in (torch.Tensor.cpu, torch.Tensor.to) and args[0].device.type != "cpu"
+        if func in _HOST_READS or moved_to_cpu:
+            caller = traceback.extract_stack(limit=2)[0]
+            self.where[f"{func.__name__} at {caller.filename}:{caller.lineno}"] += 1
+        return func(*args, **kwargs)
+
+    @property
+    def count(self):
+        return sum(self.where.values())
+
+
+@pytest.mark.parametrize("log_every, scope", [(1, None), (3, None), (3, "layer"), (3, "model")])
+def test_training_loop_reads_the_device_once_per_logged_step(tmp_path, log_every, scope):
+    """One host read per logged step (the run's first, every log_every-th, the last), none in the others, eager and
+    graphed (the engine on the CPU stand-in); the values read late are the step's own: those of an eager run that
+    reads every step."""
+    every = {"log_every": log_every} if log_every > 1 else {}  # 1, the default, is what every run did before
+    graphed = {"graphs": True, "scope": scope} if scope else {}
+    cfg = tiny_cfg(tmp_path, f"every-{log_every}-{scope}", steps=7, save_checkpoint=False, **every, **graphed)
+    with contextlib.ExitStack() as stack:
+        if scope:
+            stack.enter_context(use_recorder(EagerRecorder()))
+        reads = stack.enter_context(HostReads())
+        result = train(cfg, echo=None)
+    logged = {1, 7} | {s for s in range(1, 8) if s % log_every == 0}
+    assert reads.count == len(logged), dict(reads.where)
+    assert result.num_graph_sets == (1 if scope else 0)
+    if log_every > 1:
+        every_step = train(tiny_cfg(tmp_path, "every-step", steps=7, save_checkpoint=False), echo=None)
+        assert result.losses == every_step.losses
+        same = ("step", "loss", "grad_norm", "lr", "tokens", "target_tokens", "buckets", "epoch")
+        for a, b in zip(read_log(result.log_path), read_log(every_step.log_path), strict=True):
+            assert {k: a[k] for k in same} == {k: b[k] for k in same}
+
+
+def test_trainer_steps_read_nothing_until_a_logged_step(tmp_path):
+    cfg = tiny_cfg(tmp_path, steps=6, log_every=4, save_checkpoint=False)
+    trainer = Trainer(cfg, echo=None)
+    per_step = []
+    try:
+        while not trainer.done:
+            with HostReads() as reads:
+                trainer.step()
+            per_step.append(reads.count)
+            assert len(trainer.rows) == {1: 1, 4: 4, 6: 6}.get(trainer.step_index, len(trainer.rows))
+        result = trainer.finish()
+    finally:
+        trainer.close()
+    assert per_step == [1, 0, 0, 1, 0, 1]  # steps 1, 4 (log_every) and 6 (the last)
+    assert [r["step"] for r in read_log(result.log_path)] == list(range(1, 7))
+    assert all(r["grad_norm"] > 0 and r["step_ms"] > 0 for r in trainer.rows)
+    assert result.first_step_s > 0
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints are data
+class RunsCode:
+    """Unpickling this object runs code: it writes a marker file (what a malicious checkpoint would do)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_checkpoint_whose_unpickling_runs_code_is_refused(tmp_path):
+    train(tiny_cfg(tmp_path, "a", steps=2), echo=None)
+    good = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)
+    marker = tmp_path / "code-ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({**good, "rng": {**good["rng"], "python": RunsCode(marker)}}, evil)  # every key a checkpoint has
+    with pytest.raises(ValueError, match=r"refusing to load .*evil.pt: it holds a pickled Python object \(exec\)") as e:
+        train(tiny_cfg(tmp_path, "b", steps=4, resume=str(evil)), echo=None)
+    assert "weights_only=False" in str(e.value)  # says what a user who trusts the file can do
+    assert not marker.exists()
+    with pytest.raises(ValueError, match="refusing to load"):
+        load_checkpoint(evil)
+    assert not marker.exists()
+
+
+def test_checkpoint_of_a_config_with_a_path_out_dir_loads_as_data_and_resumes(tmp_path):
+    """A Path in the config (not a type weights_only accepts) is saved as its string; resume still works."""
+    full = train(tiny_cfg(tmp_path, steps=4, checkpoint_every=2, out_dir=tmp_path / "p"), echo=None)
+    ckpt = load_checkpoint(tmp_path / "p" / "checkpoint-000002.pt")
+    assert ckpt["train_config"]["out_dir"] == str(tmp_path / "p")
+    assert isinstance(ckpt["rng"]["python"], list)  # the Python RNG state as plain lists
+    resumed = train(tiny_cfg(tmp_path, "r", steps=4, resume=str(tmp_path / "p" / "checkpoint-000002.pt")), echo=None)
+    assert resumed.losses == full.losses[2:]

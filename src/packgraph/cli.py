@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import sys
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,16 @@ def _ladder(text: str) -> tuple[int, ...]:
     return values
 
 
+def _scopes(text: str) -> tuple[str, ...]:
+    from packgraph.models.gpt import SCOPES
+
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    bad = [v for v in values if v not in SCOPES]
+    if bad or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct scopes from {','.join(SCOPES)}, got {text!r}")
+    return values
+
+
 def _out_path(args: argparse.Namespace, command: str) -> Path:
     """The out dir to use (not created yet: commands create it only once every flag has been checked)."""
     from packgraph.train import default_out_dir
@@ -71,7 +80,7 @@ def _add_common(p: argparse.ArgumentParser, *, T: int | None) -> None:
     p.add_argument("--out-dir", default=None, help="where artefacts go (default ./runs/<command>-<timestamp>)")
 
 
-def _add_model_and_buckets(p: argparse.ArgumentParser) -> None:
+def _add_model_and_buckets(p: argparse.ArgumentParser, *, scope: bool = True) -> None:
     from packgraph.models.gpt import PRESETS, SCOPES
 
     p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model size")
@@ -81,7 +90,8 @@ def _add_model_and_buckets(p: argparse.ArgumentParser) -> None:
         default=None,
         help="run under CUDA graphs (default: on when the device is CUDA)",
     )
-    p.add_argument("--scope", default="layer", choices=SCOPES, help="what is graphed (default layer)")
+    if scope:
+        p.add_argument("--scope", default="layer", choices=SCOPES, help="what is graphed (default layer)")
     p.add_argument("--max-seqlen-ladder", type=_ladder, default=None, help="static max_seqlen rungs, e.g. 256,512,2048")
     p.add_argument("--capacity-ladder", type=_ladder, default=None, help="cu_seqlens capacity rungs, e.g. 8,32,128")
 
@@ -95,8 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="pack the embedded corpus and train a small GPT (eager; graphed too on CUDA)")
     _add_common(demo, T=None)
-    _add_model_and_buckets(demo)
+    _add_model_and_buckets(demo, scope=False)
     demo.add_argument("--steps", type=_positive_int, default=None, help="training steps (default 50 CPU, 100 CUDA)")
+    demo.add_argument(
+        "--scopes", type=_scopes, default=("layer", "model"), help="graphed runs on CUDA, one per scope (layer,model)"
+    )
+    demo.add_argument(
+        "--fast",
+        action="store_true",
+        help="non-deterministic kernels: faster, but then no two runs are bitwise equal, eager ones included",
+    )
 
     train = sub.add_parser("train", help="train the reference GPT on the embedded corpus")
     _add_common(train, T=2048)
@@ -111,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-every", type=int, default=0, help="also keep checkpoint-<step>.pt every N steps")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--no-plot", action="store_true", help="no loss.png")
+    train.add_argument(
+        "--log-every",
+        type=_positive_int,
+        default=1,
+        help="read losses from the device every N steps (fewer syncs; every step is still logged)",
+    )
     train.add_argument(
         "--deterministic",
         action="store_true",
@@ -163,7 +187,7 @@ def _train_config(args: argparse.Namespace, device, graphs: bool, out_dir: Path,
         seed=args.seed,
         device=str(device),
         graphs=graphs,
-        scope=args.scope,
+        scope=getattr(args, "scope", "layer"),  # demo has --scopes instead
         max_seqlen_ladder=args.max_seqlen_ladder,
         capacity_ladder=args.capacity_ladder,
         max_docs=args.max_docs,
@@ -203,6 +227,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         progress=not args.no_progress,
         plot=not args.no_plot,
         deterministic=args.deterministic,
+        log_every=args.log_every,
     )
     if args.lr is not None:
         overrides["lr"] = args.lr
@@ -239,30 +264,16 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from packgraph.data.corpus import corpus_stats
-    from packgraph.data.stream import DataStream, corpus_documents
-    from packgraph.packing import pack_sequences
-    from packgraph.train import compare_eager_graphed, train
+    from packgraph.demo import demo_defaults, run_demo
 
     device = _device(args.device)
     graphs = _check_graphs(args.graphs, device)
-    cuda = device.type == "cuda"
     out_dir = _out_path(args, "demo")
-    if args.preset is None:
-        args.preset = "small" if cuda else "tiny"
-    if args.T is None:
-        args.T = 4096 if cuda else 512
-    # CPU defaults keep the demo to seconds on a 2-core laptop (the README promises that).
-    max_docs = args.max_docs or (None if cuda else 200)
-    steps = args.steps or (100 if cuda else 50)
+    defaults = demo_defaults(device)
+    args.preset = args.preset or defaults["preset"]
+    args.T = args.T or defaults["T"]
+    steps = args.steps or defaults["steps"]
     cfg = _train_config(
         args,
         device,
@@ -270,77 +281,15 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
         out_dir,
         steps=steps,
         warmup_steps=max(1, steps // 10),
-        max_docs=max_docs,
+        max_docs=args.max_docs or defaults["max_docs"],
         progress=False,
+        plot=False,
         save_checkpoint=False,
+        deterministic=not args.fast,
+        log_every=10,  # the host runs ahead of the device between reads, as a real training loop would
     )
     _make_dir(out_dir)
-    print(f"packgraph demo on {device}; out dir: {out_dir}")
-
-    docs = corpus_documents(cfg)
-    policy = cfg.bucket_policy()
-    print(f"corpus: {max_docs or 'all'} stdlib files cut into {corpus_stats(docs)}")
-    lengths = [len(d) for d in docs]
-    rows = []
-    for algorithm in ("ffd", "bfd", "nfd"):
-        p = pack_sequences(lengths, cfg.T, max_seqs_per_bin=policy.max_capacity, algorithm=algorithm)
-        rows.append([algorithm, str(len(p)), f"{p.efficiency:.4f}"])
-    print(f"\npacking into bins of T={cfg.T} rows (at most {policy.max_capacity} documents each):")
-    print(_table(rows, ["algorithm", "bins", "efficiency"]))
-
-    data = DataStream(docs, T=cfg.T, policy=policy, seed=cfg.seed)
-    counts: Counter = Counter()
-    fill: Counter = Counter()
-    for b in data.packing:
-        bucket = policy.bucket_for(max(data.packing.lengths[i] for i in b), len(b))
-        counts[bucket] += 1
-        fill[bucket] += sum(data.packing.lengths[i] for i in b)
-    print(f"\n{policy.describe()}; {len(counts)} used:")
-    rows = [
-        [str(b.max_seqlen), str(b.capacity), str(n), f"{n / len(data.packing):.1%}", f"{fill[b] / (n * cfg.T):.3f}"]
-        for b, n in sorted(counts.items())
-    ]
-    print(_table(rows, ["max_seqlen", "capacity", "batches", "share", "real-token fraction"]))
-
-    print(f"\ntraining {cfg.preset} for {steps} steps ({'bf16 autocast' if cuda else 'float32'}):")
-    if graphs:
-        name = f"graphed-{args.scope}"
-        report = compare_eager_graphed(cfg, scopes=(args.scope,), echo=print)
-        eager, graphed = report["runs"]["eager"], report["runs"][name]
-    else:
-        eager, graphed = train(dataclasses.replace(cfg, out_dir=str(out_dir / "eager"))), None
-    n = max(1, min(5, steps // 6))
-    start, end = sum(eager.losses[:n]) / n, sum(eager.losses[-n:]) / n
-    print(
-        f"\neager: loss {start:.3f} -> {end:.3f} (mean of first/last {n} steps; -{(start - end) / start:.0%}), "
-        f"{eager.tokens_per_s:,.0f} tokens/s, {eager.wall_s:.1f} s"
-    )
-    summary: dict[str, Any] = {"device": str(device), "preset": cfg.preset, "steps": steps, "T": cfg.T}
-    summary["eager"] = {
-        f"loss_mean_first_{n}": start,
-        f"loss_mean_last_{n}": end,
-        "final_loss": eager.final_loss,
-        "tokens_per_s": eager.tokens_per_s,
-    }
-    if graphed is not None:
-        diff = report["max_abs_loss_diff"][name]
-        speedup = report["speedup"][name]
-        print(
-            f"graphed (scope {args.scope}): final loss {graphed.final_loss:.4f} vs eager {eager.final_loss:.4f}, "
-            f"max |loss diff| over {steps} steps {diff:.2e}; {graphed.tokens_per_s:,.0f} tokens/s, "
-            f"speedup {speedup:.2f}x ({graphed.num_graph_sets} graph sets)"
-        )
-        summary[name] = {
-            "final_loss": graphed.final_loss,
-            "max_abs_loss_diff": diff,
-            "tokens_per_s": graphed.tokens_per_s,
-            "speedup": speedup,
-            "graph_sets": graphed.num_graph_sets,
-        }
-    elif not cuda:
-        print("(no CUDA here: the graphed run and the speedup need a GPU)")
-    (out_dir / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"artefacts: {out_dir}")
+    run_demo(cfg, scopes=args.scopes if graphs else (), echo=print)
     return 0
 
 
@@ -353,14 +302,14 @@ def _load_model(args: argparse.Namespace, device):
     if args.checkpoint:
         try:
             path = _resolve_checkpoint(args.checkpoint)
-            ckpt = load_checkpoint(path)
+            ckpt = load_checkpoint(path)  # data only: a file that would run code is refused
+        except (FileNotFoundError, ValueError) as e:
+            raise CLIError(str(e)) from None
+        try:
             model = GPT(GPTConfig(**ckpt["model_config"]))
             model.load_state_dict(ckpt["model"])
-        except FileNotFoundError as e:
-            raise CLIError(str(e)) from None
-        except Exception as e:  # a corrupt or foreign file is a user error here
-            reason = f"{type(e).__name__}: {e}"
-            raise CLIError(f"{args.checkpoint} is not a packgraph checkpoint ({reason})") from None
+        except Exception as e:  # a foreign file that happens to have the keys
+            raise CLIError(f"{path} is not a packgraph checkpoint ({type(e).__name__}: {e})") from None
         if args.preset and args.preset != ckpt.get("train_config", {}).get("preset", args.preset):
             raise CLIError(f"--preset {args.preset} does not match the checkpoint's model")
         return model.to(device), str(path)
@@ -418,7 +367,7 @@ def cmd_score(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_plot_convergence(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from packgraph.runlog import convergence_report, plot_losses, read_log
+    from packgraph.runlog import convergence_report, plot_losses, read_log, text_table
 
     if args.labels and len(args.labels) != len(args.logs):
         raise CLIError(f"--labels has {len(args.labels)} names for {len(args.logs)} logs")
@@ -454,7 +403,7 @@ def cmd_plot_convergence(args: argparse.Namespace, argv: Sequence[str]) -> int:
         ]
         for n in logs
     ]
-    print(_table(rows, ["run", "first loss", "final loss", "tokens/s steady", "max rel diff (EMA)"]))
+    print(text_table(rows, ["run", "first loss", "final loss", "tokens/s steady", "max rel diff (EMA)"]))
     print(f"{report['common_steps']} common steps; EMA beta {args.ema}")
     if png:
         print(f"plot: {png}")

@@ -1,4 +1,4 @@
-"""Run logs: reading ``train.jsonl``, smoothing, throughput, convergence comparison and loss plots.
+"""Run logs: reading ``train.jsonl``, smoothing, throughput, convergence comparison, text tables and loss plots.
 
 A log is a list of rows, one per optimizer step, as :func:`packgraph.train.train` writes them: at least
 ``step`` (1-based) and ``loss``; ``tokens``, ``step_ms`` and ``captures`` feed :func:`throughput` when present.
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_log", "ema", "throughput", "convergence_report", "plot_losses"]
+__all__ = ["read_log", "ema", "throughput", "convergence_report", "plot_losses", "pyplot", "text_table"]
 
 
 def throughput(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
@@ -99,17 +99,18 @@ def convergence_report(logs: dict[str, Sequence[dict[str, Any]]], beta: float = 
     }
 
 
-def plot_losses(
-    curves: dict[str, Sequence[tuple[int, float]]],
-    out: str | os.PathLike,
-    echo: Callable[[str], None] | None = print,
-    beta: float = 0.95,
-) -> Path | None:
-    """Plot ``{label: [(step, loss), ...]}`` (raw, faint, and EMA-smoothed) on one PNG.
+def text_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    """``rows`` under ``header``, every column right-aligned to its widest cell, a dashed rule under the header."""
+    cells = [[str(c) for c in r] for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
-    Returns the path, or ``None`` with a one-line note when matplotlib is not installed (``pip install
-    packgraph[plot]``).
-    """
+
+def pyplot(echo: Callable[[str], None] | None = print) -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or ``None`` with a one-line note when matplotlib is not
+    installed (``pip install packgraph[plot]``)."""
     try:
         import matplotlib
 
@@ -118,6 +119,22 @@ def plot_losses(
     except ImportError:
         if echo:
             echo("plot skipped: matplotlib is not installed (pip install 'packgraph[plot]')")
+        return None
+    return plt
+
+
+def plot_losses(
+    curves: dict[str, Sequence[tuple[int, float]]],
+    out: str | os.PathLike,
+    echo: Callable[[str], None] | None = print,
+    beta: float = 0.95,
+) -> Path | None:
+    """Plot ``{label: [(step, loss), ...]}`` (raw, faint, and EMA-smoothed) on one PNG.
+
+    Returns the path, or ``None`` with a one-line note when matplotlib is not installed (see :func:`pyplot`).
+    """
+    plt = pyplot(echo)
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, points in curves.items():

@@ -1,7 +1,7 @@
 """Train the reference GPT on the embedded corpus, eagerly or with CUDA graphs.
 
 One step: ``grad_accum`` micro-batches of ``T`` rows each, forward + backward (bf16 autocast on CUDA), gradient
-clipping, AdamW (fused on CUDA), then the learning-rate schedule (linear warm-up, cosine decay to
+clipping, fused AdamW, then the learning-rate schedule (linear warm-up, cosine decay to
 ``min_lr_ratio * lr``). Micro-batch losses are weighted by their share of the step's real target tokens, so the
 step's gradient is that of the mean CE over every target token of the step (see :mod:`packgraph.models.gpt`).
 
@@ -10,8 +10,16 @@ each epoch visiting the bins in an order shuffled by ``(seed, epoch)``. The data
 index)``, so a checkpoint resumes on the very next batch. Log reading, smoothing and plots live in
 :mod:`packgraph.runlog`.
 
-Artefacts, under ``out_dir``: ``config.json``, ``train.jsonl`` (one row per step), ``checkpoint.pt`` (latest;
-``checkpoint-<step>.pt`` every ``checkpoint_every`` steps), ``summary.json`` and ``loss.png`` (needs matplotlib).
+Host syncs: a step leaves its loss and gradient norm on the device. A *logged* step (the run's first, every
+``log_every``-th, the last, and each checkpoint step) reads the values of every step since the last logged one in
+one device-to-host transfer; the other steps never wait for the device (on CUDA, batches go up from pinned memory
+without blocking, and step times come from CUDA events). :class:`Trainer` runs a config one step at a time,
+:func:`train` runs it to the end.
+
+Artefacts, under ``out_dir``: ``config.json``, ``train.jsonl`` (one row per step, written at logged steps),
+``checkpoint.pt`` (latest; ``checkpoint-<step>.pt`` every ``checkpoint_every`` steps), ``summary.json`` and
+``loss.png`` (needs matplotlib). Checkpoints hold only tensors, numbers, strings, ``None`` and lists, tuples and
+dicts of those, and are loaded with ``torch.load(weights_only=True)``: loading one runs no code from the file.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import random
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +44,7 @@ from torch import Tensor
 from packgraph.buckets import BucketPolicy, default_buckets
 from packgraph.data.corpus import VOCAB_SIZE
 from packgraph.data.stream import DataStream, corpus_documents
+from packgraph.graphs.recorder import stand_in
 from packgraph.models.gpt import GPT, SCOPES, GPTConfig
 from packgraph.packing import PACKING_ALGORITHMS, PackedBatch
 from packgraph.runlog import plot_losses, throughput
@@ -41,7 +52,10 @@ from packgraph.runlog import plot_losses, throughput
 __all__ = [
     "TrainConfig",
     "TrainResult",
+    "Trainer",
     "train",
+    "load_checkpoint",
+    "deterministic_kernels",
     "accumulate_gradients",
     "compare_eager_graphed",
     "lr_factor",
@@ -58,6 +72,8 @@ class TrainConfig:
 
     ``T`` is the rows per micro-batch (static: every batch has exactly ``T`` rows). ``graphs=None`` means "on
     when the device is CUDA". Bucket ladders default to :func:`~packgraph.buckets.default_buckets` of ``T``.
+    ``log_every`` is how often the loop reads its values from the device (see the module docstring); every step
+    is still logged, with its own loss.
     """
 
     preset: str = "tiny"
@@ -90,6 +106,7 @@ class TrainConfig:
     progress: bool = True
     plot: bool = True
     deterministic: bool = False
+    log_every: int = 1
 
     def validate(self) -> TrainConfig:
         def need(ok: bool, msg: str) -> None:
@@ -113,6 +130,7 @@ class TrainConfig:
         need(self.pad_to_multiple >= 1, f"pad_to_multiple must be >= 1, got {self.pad_to_multiple}")
         need(self.algorithm in PACKING_ALGORITHMS, f"algorithm must be one of {PACKING_ALGORITHMS}")
         need(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        need(self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}")
         self.bucket_policy()  # raises on bad ladders
         return self
 
@@ -136,7 +154,10 @@ class TrainResult:
     """What a run did. ``losses[i]`` is the loss of step ``first_step + i + 1`` (1-based steps in logs).
 
     ``tokens_per_s`` is the steady rate and ``tokens_per_s_overall`` the rate over every step (see
-    :func:`~packgraph.runlog.throughput`); tokens are real document tokens, not padded slots.
+    :func:`~packgraph.runlog.throughput`); tokens are real document tokens, not padded slots. Step times are CUDA
+    events on CUDA (from the step's first kernel to its optimizer update, data loading left out) and wall clock on
+    the CPU. ``first_step_s`` is the wall time of the run's first step until its loss is on the host: captures,
+    lazy initialisation and all.
     """
 
     out_dir: Path
@@ -155,6 +176,7 @@ class TrainResult:
     checkpoint_path: Path | None
     plot_path: Path | None
     wall_s: float
+    first_step_s: float
 
     @property
     def final_loss(self) -> float:
@@ -218,7 +240,9 @@ class _DataParallel:
 
         from packgraph.distributed import allreduce_gradients
 
-        allreduce_gradients(model.parameters())
+        # Every rank runs the whole GPT on at least one micro-batch: every trained parameter has a grad, so the
+        # all-reduce needs no per-parameter flags (and their device-to-host read).
+        allreduce_gradients(model.parameters(), every_rank_has_grads=True)
         dist.all_reduce(step_loss)
         return step_loss
 
@@ -241,22 +265,24 @@ def _make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": tuple(cfg.betas)}
-    if device.type == "cuda":
-        kwargs["fused"] = True
-    return torch.optim.AdamW(groups, **kwargs)
+    # fused on both devices (torch >= 2.4 has the kernel for CPU and CUDA): its step counters live beside the
+    # parameters and it reads none of them on the host, so the optimizer adds no sync to a step.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=True)
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """The RNG states as tensors and plain lists (what ``weights_only`` loading accepts)."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
     if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
     return state
 
 
 def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -279,16 +305,29 @@ _RESUME_MUST_MATCH = (
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """A training checkpoint (a file, or a run dir holding ``checkpoint.pt``), loaded on the CPU.
+    """A training checkpoint (a file, or a run dir holding ``checkpoint.pt``), loaded on the CPU as data only.
+
+    The file is read with ``torch.load(weights_only=True)``: tensors, numbers, strings and containers of them. A
+    file that needs anything else (a pickled class or function, which unpickling would run) is refused.
 
     Raises:
         FileNotFoundError: nothing there.
-        ValueError: unreadable, or not a packgraph training checkpoint (names the missing keys).
+        ValueError: unreadable, holding more than data (names the first such object), or not a packgraph
+            training checkpoint (names the missing keys).
     """
     file = _resolve_checkpoint(path)
     try:
-        ckpt = torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as e:  # a corrupt or foreign file
+        ckpt = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found is None:
+            raise ValueError(f"cannot read checkpoint {file}: it is corrupt or not a packgraph checkpoint") from None
+        raise ValueError(
+            f"refusing to load {file}: it holds a pickled Python object ({found.group(1)}), and unpickling it could "
+            "run any code. packgraph checkpoints hold only tensors and plain data. If you trust the file's source, "
+            "load it yourself with torch.load(..., weights_only=False) and save its tensors and plain values again"
+        ) from None
+    except Exception as e:  # a truncated or foreign file
         raise ValueError(f"cannot read checkpoint {file}: {type(e).__name__}: {e}") from None
     missing = [k for k in _CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
@@ -333,7 +372,24 @@ def default_out_dir(command: str) -> Path:
     return out
 
 
+_PLAIN = (Tensor, int, float, str, bool, type(None))
+
+
+def _check_plain(obj: Any, where: str = "checkpoint") -> None:
+    """``TypeError`` naming the first value that ``torch.load(weights_only=True)`` would refuse."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_plain(k, f"{where} key")
+            _check_plain(v, f"{where}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_plain(v, f"{where}[{i}]")
+    elif not isinstance(obj, _PLAIN):
+        raise TypeError(f"{where} is a {type(obj).__name__}: checkpoints hold only tensors and plain data")
+
+
 def _save(obj: dict[str, Any], path: Path) -> None:
+    _check_plain(obj)
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)  # atomic: a crash never leaves a half-written checkpoint
@@ -401,7 +457,7 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
 
 
 def train(cfg: TrainConfig, *, echo: Callable[[str], None] | None = print) -> TrainResult:
-    """Run ``cfg``; see the module docstring for the step and the artefacts.
+    """Run ``cfg`` to its last step; see the module docstring for the step and the artefacts.
 
     With ``cfg.deterministic`` every kernel is deterministic (:func:`deterministic_kernels`): two runs of one
     config give the same losses bit for bit, and so do eager and graphed runs (the graphs replay the same kernels
@@ -412,181 +468,338 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] | None = print) -> Tr
         FileNotFoundError: ``resume`` names no checkpoint.
     """
     with deterministic_kernels(cfg.deterministic):
-        return _train(cfg, echo=echo)
+        trainer = Trainer(cfg, echo=echo)
+        try:
+            while not trainer.done:
+                trainer.step()
+            return trainer.finish()
+        finally:
+            trainer.close()
 
 
-def _train(cfg: TrainConfig, *, echo: Callable[[str], None] | None) -> TrainResult:
-    cfg.validate()
-    device = resolve_device(cfg.device)
-    graphs = device.type == "cuda" if cfg.graphs is None else cfg.graphs
-    if graphs and device.type != "cuda":
-        raise ValueError("CUDA graphs need a CUDA device; run with --no-graphs (eager) or on a GPU")
-    ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
-    if ckpt is not None:
-        _check_resumable(ckpt, cfg)
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir("train")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"out dir {out_dir} exists and is not a directory")
-    dp = _DataParallel.from_env(device)
-    device = dp.device if dp is not None else device
-    rank, world = (dp.rank, dp.world) if dp is not None else (0, 1)
-    say = (echo if rank == 0 else None) or (lambda _msg: None)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
+def _mark(device: torch.device) -> Any:
+    """A point in time on ``device``'s stream: a recorded CUDA event, or ``perf_counter`` on the CPU."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
-    # The model is built on the CPU from the seed, then moved: the same init on every device.
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    model_cfg = cfg.model_config()
-    model = GPT(model_cfg).to(device)
-    optimizer = _make_optimizer(model, cfg, device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_factor(
-            s, warmup=min(cfg.warmup_steps, cfg.steps - 1), total=cfg.steps, min_ratio=cfg.min_lr_ratio
-        ),
-    )
-    policy = cfg.bucket_policy()
-    docs = corpus_documents(cfg)
-    data = DataStream(
-        docs, T=cfg.T, policy=policy, seed=cfg.seed, algorithm=cfg.algorithm, pad_to_multiple=cfg.pad_to_multiple
-    )
 
-    start = 0
-    if ckpt is not None:
-        if ckpt["model_config"] != dataclasses.asdict(model_cfg):
-            raise ValueError(f"checkpoint {cfg.resume} holds a different model: {ckpt['model_config']}")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        data.load_state_dict(ckpt["data"])
+def _elapsed_ms(start: Any, end: Any) -> float:
+    # Events are read only after the host has read a value computed after them, so both have completed.
+    return start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else (end - start) * 1e3
+
+
+def _to_host(values: Tensor) -> list[list[float]]:
+    """The loop's one device-to-host read per logged step."""
+    return values.tolist()
+
+
+@dataclass
+class _PendingStep:
+    """A finished step whose device values (loss, grad norm) are not read yet."""
+
+    row: dict[str, Any]
+    values: Tensor
+    start: Any
+    end: Any
+
+
+class Trainer:
+    """One training run of ``cfg``, an optimizer step at a time. :func:`train` is ``while not t.done: t.step()``,
+    then ``t.finish()``; ``t.close()`` always.
+
+    ``rows`` holds the logged rows so far (one per step, as in ``train.jsonl``); a step's row appears at the next
+    logged step (:meth:`flush`). The caller enters :func:`deterministic_kernels` when ``cfg.deterministic`` (a
+    step raises otherwise): a mode that spans several trainers cannot belong to any one of them.
+
+    Args:
+        documents: ``corpus_documents(cfg)`` (:func:`~packgraph.data.stream.corpus_documents`), when the caller
+            has it already: several runs of one corpus read it once.
+
+    Raises:
+        ValueError: bad config, or a checkpoint that does not fit it. FileNotFoundError: no checkpoint at ``resume``.
+    """
+
+    def __init__(
+        self, cfg: TrainConfig, *, echo: Callable[[str], None] | None = print, documents: Sequence[Tensor] | None = None
+    ) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        device = resolve_device(cfg.device)
+        self.graphs = device.type == "cuda" if cfg.graphs is None else cfg.graphs
+        if self.graphs and device.type != "cuda" and stand_in() is None:  # (a stand-in recorder: CPU tests)
+            raise ValueError("CUDA graphs need a CUDA device; run with --no-graphs (eager) or on a GPU")
+        ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
+        if ckpt is not None:
+            _check_resumable(ckpt, cfg)
+        self.out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir("train")
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise ValueError(f"out dir {self.out_dir} exists and is not a directory")
+        self.dp = _DataParallel.from_env(device)
+        self.device = self.dp.device if self.dp is not None else device
+        self.rank, self.world = (self.dp.rank, self.dp.world) if self.dp is not None else (0, 1)
+        self._say = (echo if self.rank == 0 else None) or (lambda _msg: None)
+        self._bar = None
+        try:
+            self._setup(ckpt, documents)
+        except BaseException:
+            self.close()  # the process group this trainer started
+            raise
+
+    def _setup(self, ckpt: dict[str, Any] | None, documents: Sequence[Tensor] | None) -> None:
+        cfg = self.cfg
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._build(documents)
+        self.start = self._resume(ckpt) if ckpt is not None else 0
+        self.step_index = self.start
+        if self.dp is not None:
+            self.dp.broadcast(self.model)
+        self.log_path = self.out_dir / "train.jsonl"
+        if self.rank == 0:
+            (self.out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str) + "\n")
+            if ckpt is not None:
+                _truncate_log(self.log_path, self.start)
+            else:
+                self.log_path.write_text("")
+        self.runner = self.model.graphed(scope=cfg.scope) if self.graphs else self.model
+        self.mode = "graphed, scope " + cfg.scope if self.graphs else "eager"
+        self._announce()
+        self.rows: list[dict[str, Any]] = []
+        self._pending: list[_PendingStep] = []
+        self.first_step_s: float | None = None
+        self._bar = _progress(cfg.steps, self.start, cfg.progress and self.rank == 0)
+        self._t_run = time.perf_counter()
+        self.model.train()
+
+    def _build(self, documents: Sequence[Tensor] | None) -> None:
+        """Model, optimizer, schedule and data stream, from the seed."""
+        cfg = self.cfg
+        # The model is built on the CPU from the seed, then moved: the same init on every device.
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        self.model_cfg = cfg.model_config()
+        self.model = GPT(self.model_cfg).to(self.device)
+        self.params = list(self.model.parameters())
+        self.optimizer = _make_optimizer(self.model, cfg, self.device)
+        warmup = min(cfg.warmup_steps, cfg.steps - 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, warmup=warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
+        )
+        self.docs = list(documents) if documents is not None else corpus_documents(cfg)
+        self.data = DataStream(
+            self.docs,
+            T=cfg.T,
+            policy=cfg.bucket_policy(),
+            seed=cfg.seed,
+            algorithm=cfg.algorithm,
+            pad_to_multiple=cfg.pad_to_multiple,
+        )
+
+    def _resume(self, ckpt: dict[str, Any]) -> int:
+        if ckpt["model_config"] != dataclasses.asdict(self.model_cfg):
+            raise ValueError(f"checkpoint {self.cfg.resume} holds a different model: {ckpt['model_config']}")
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.data.load_state_dict(ckpt["data"])
         start = int(ckpt["step"])
-        if start >= cfg.steps:
-            raise ValueError(f"checkpoint is at step {start}; ask for more steps than that (got --steps {cfg.steps})")
-        _set_rng_state(ckpt["rng"], device)
-    if dp is not None:
-        dp.broadcast(model)
-    if rank == 0:
-        (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str) + "\n")
+        if start >= self.cfg.steps:
+            raise ValueError(
+                f"checkpoint is at step {start}; ask for more steps than that (got --steps {self.cfg.steps})"
+            )
+        _set_rng_state(ckpt["rng"], self.device)
+        return start
 
-    runner = model.graphed(scope=cfg.scope) if graphs else model
-    params = list(model.parameters())
-    log_path = out_dir / "train.jsonl"
-    mode = "graphed, scope " + cfg.scope if graphs else "eager"
-    ranks = f" x {world} ranks" if world > 1 else ""
-    say(
-        f"train: {cfg.preset} ({model_cfg.num_params() / 1e6:.2f}M params) on {device}, {mode}; steps {start + 1}.."
-        f"{cfg.steps}, T={cfg.T} x {cfg.grad_accum}{ranks}, {len(docs)} docs in {data.bins_per_epoch} bins/epoch "
-        f"(efficiency {data.packing.efficiency:.3f}); out dir {out_dir}"
-    )
+    def _announce(self) -> None:
+        cfg = self.cfg
+        ranks = f" x {self.world} ranks" if self.world > 1 else ""
+        self._say(
+            f"train: {cfg.preset} ({self.model_cfg.num_params() / 1e6:.2f}M params) on {self.device}, {self.mode}; "
+            f"steps {self.start + 1}..{cfg.steps}, T={cfg.T} x {cfg.grad_accum}{ranks}, {len(self.docs)} docs in "
+            f"{self.data.bins_per_epoch} bins/epoch (efficiency {self.data.packing.efficiency:.3f}); "
+            f"out dir {self.out_dir}"
+        )
 
-    losses: list[float] = []
-    rows: list[dict[str, Any]] = []
-    bar = _progress(cfg.steps, start, cfg.progress and rank == 0)
-    t_run = time.perf_counter()
-    model.train()
-    slots = cfg.T * cfg.grad_accum * world
-    if ckpt is not None and rank == 0:
-        _truncate_log(log_path, start)
-    with log_path.open("a" if ckpt is not None else "w") if rank == 0 else contextlib.nullcontext() as log:
-        for step in range(start, cfg.steps):
-            t0 = time.perf_counter()
-            # Every rank walks the same stream; rank r takes micro-batches r, r + world, ... of the step.
-            step_batches = [next(data) for _ in range(cfg.grad_accum * world)]
-            targets = [b.num_real_tokens for b in step_batches]  # host ints: no sync
-            tokens = sum(sum(b.doc_lengths or ()) for b in step_batches)
-            # Copy this rank's micro-batches up front: a blocking copy later would wait for the previous
-            # micro-batch's backward and leave the device idle while the host launches the next forward.
-            mine = [b.to(device) for b in step_batches[rank::world]]
-            step_loss = accumulate_gradients(runner, mine, device, autocast=cfg.autocast, total_targets=sum(targets))
-            if dp is not None:
-                step_loss = dp.reduce(model, step_loss)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else None
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_value = float(step_loss)  # the one sync per step
-            dt = time.perf_counter() - t0
-            losses.append(loss_value)
-            row = {
-                "step": step + 1,
-                "loss": loss_value,
-                "lr": lr,
-                "tokens": tokens,
-                "target_tokens": sum(targets),
-                "slots": slots,
-                "real_token_fraction": tokens / slots,
-                "step_ms": dt * 1e3,
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "graphs": runner.num_graph_sets if graphs else 0,
-                "recaptures": runner.recaptures if graphs else 0,
-                "captures": runner.captures + runner.recaptures if graphs else 0,
-                "buckets": [[b.max_seqlen, b.capacity] for b in step_batches],
-                "epoch": data.epoch,
-            }
+    @property
+    def done(self) -> bool:
+        return self.step_index >= self.cfg.steps
+
+    def _is_logged(self, done: int) -> bool:
+        cfg = self.cfg
+        return done == self.start + 1 or done % cfg.log_every == 0 or done == cfg.steps or self._checkpoint_step(done)
+
+    def _checkpoint_step(self, done: int) -> bool:
+        cfg = self.cfg
+        every = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+        return cfg.save_checkpoint and (done == cfg.steps or bool(every))
+
+    def _upload(self, batches: Sequence[PackedBatch]) -> list[PackedBatch]:
+        if self.device.type != "cuda":
+            return [b.to(self.device) for b in batches]
+        # From pinned memory without blocking: a pageable copy would wait for the device to finish the previous
+        # step, a sync in every step.
+        return [b.pin_memory().to(self.device, non_blocking=True) for b in batches]
+
+    def step(self) -> None:
+        """One optimizer step (``grad_accum`` micro-batches per rank); reads values only at a logged step."""
+        cfg, step = self.cfg, self.step_index
+        if self.done:
+            raise RuntimeError(f"the run is done: all {cfg.steps} steps ran; call finish()")
+        if cfg.deterministic and not torch.are_deterministic_algorithms_enabled():
+            raise RuntimeError("cfg.deterministic needs deterministic kernels on: step inside deterministic_kernels()")
+        t0 = time.perf_counter()
+        # Every rank walks the same stream; rank r takes micro-batches r, r + world, ... of the step.
+        step_batches = [next(self.data) for _ in range(cfg.grad_accum * self.world)]
+        targets = sum(b.num_real_tokens for b in step_batches)  # host ints: no sync
+        # Copy this rank's micro-batches up front, so the host launches the forward while they travel.
+        mine = self._upload(step_batches[self.rank :: self.world])
+        start = _mark(self.device)
+        step_loss = accumulate_gradients(self.runner, mine, self.device, autocast=cfg.autocast, total_targets=targets)
+        if self.dp is not None:
+            step_loss = self.dp.reduce(self.model, step_loss)
+        values = [step_loss.float()]
+        if cfg.grad_clip > 0:
+            values.append(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip).float())
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        row = self._row(step, step_batches, targets, lr)
+        self._pending.append(_PendingStep(row, torch.stack(values), start, _mark(self.device)))
+        self.step_index = done = step + 1
+        if self._is_logged(done):
+            self.flush()
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - t0
+        if self.rank == 0 and self._checkpoint_step(done):
+            self.save_checkpoint()
+
+    def _row(self, step: int, batches: Sequence[PackedBatch], targets: int, lr: float) -> dict[str, Any]:
+        """The host-known part of a step's log row (loss, grad norm and step time come at the flush)."""
+        tokens = sum(sum(b.doc_lengths or ()) for b in batches)
+        slots = self.cfg.T * len(batches)
+        runner, graphs = self.runner, self.graphs
+        return {
+            "step": step + 1,
+            "loss": None,
+            "lr": lr,
+            "tokens": tokens,
+            "target_tokens": targets,
+            "slots": slots,
+            "real_token_fraction": tokens / slots,
+            "step_ms": None,
+            "grad_norm": None,
+            "graphs": runner.num_graph_sets if graphs else 0,
+            "recaptures": runner.recaptures if graphs else 0,
+            "captures": runner.captures + runner.recaptures if graphs else 0,
+            "buckets": [[b.max_seqlen, b.capacity] for b in batches],
+            "epoch": self.data.epoch,
+        }
+
+    def flush(self) -> None:
+        """Read every pending step's values in one device-to-host transfer; log, show and keep their rows."""
+        if not self._pending:
+            return
+        values = _to_host(torch.stack([p.values for p in self._pending]))
+        rows = []
+        for pending, host in zip(self._pending, values, strict=True):
+            row = dict(pending.row, loss=host[0], step_ms=_elapsed_ms(pending.start, pending.end))
+            row["grad_norm"] = host[1] if len(host) > 1 else None
             rows.append(row)
-            if log is not None:
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens / dt:,.0f}")
-            elif cfg.progress and ((step + 1) % max(1, cfg.steps // 10) == 0 or step == start):
-                say(f"step {step + 1}/{cfg.steps}  loss {loss_value:.4f}  lr {lr:.2e}  {tokens / dt:,.0f} tok/s")
-            done = step + 1
-            if (
-                rank == 0
-                and cfg.save_checkpoint
-                and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0))
-            ):
-                state = {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "step": done,
-                    "rng": _rng_state(device),
-                    "data": data.state_dict(),
-                    "model_config": dataclasses.asdict(model_cfg),
-                    "train_config": dataclasses.asdict(cfg),
-                }
-                _save(state, out_dir / "checkpoint.pt")
-                if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-                    _save(state, out_dir / f"checkpoint-{done:06d}.pt")
-    if bar is not None:
-        bar.close()
-    wall = time.perf_counter() - t_run
+        self._pending.clear()
+        self.rows.extend(rows)
+        if self.rank == 0:
+            with self.log_path.open("a") as log:
+                log.write("".join(json.dumps(r) + "\n" for r in rows))
+        for row in rows:
+            self._show(row)
 
-    tokens_per_s, tokens_per_s_overall = throughput(rows)
-    plot_path = None
-    if cfg.plot and rank == 0:
-        plot_path = plot_losses({mode: [(start + i + 1, v) for i, v in enumerate(losses)]}, out_dir / "loss.png", say)
-    result = TrainResult(
-        out_dir=out_dir,
-        first_step=start,
-        losses=losses,
-        tokens_per_s=tokens_per_s,
-        tokens_per_s_overall=tokens_per_s_overall,
-        step_ms_median=sorted(r["step_ms"] for r in rows)[len(rows) // 2],
-        tokens=sum(r["tokens"] for r in rows),
-        device=str(device),
-        graphs=graphs,
-        scope=cfg.scope if graphs else None,
-        num_graph_sets=runner.num_graph_sets if graphs else 0,
-        recaptures=runner.recaptures if graphs else 0,
-        log_path=log_path,
-        checkpoint_path=out_dir / "checkpoint.pt" if cfg.save_checkpoint else None,
-        plot_path=plot_path,
-        wall_s=wall,
-    )
-    if rank == 0:
-        summary = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(result).items()}
-        summary.update(first_loss=losses[0], final_loss=losses[-1], world_size=world)
-        del summary["losses"]
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if dp is not None:
-        dp.close()
-    return result
+    def _show(self, row: dict[str, Any]) -> None:
+        cfg, n = self.cfg, row["step"]
+        rate = row["tokens"] / max(row["step_ms"], 1e-9) * 1e3
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{rate:,.0f}")
+        elif cfg.progress and (n % max(1, cfg.steps // 10) == 0 or n == self.start + 1):
+            self._say(f"step {n}/{cfg.steps}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  {rate:,.0f} tok/s")
+
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoint.pt`` (and ``checkpoint-<step>.pt`` every ``checkpoint_every`` steps) for the steps so
+        far."""
+        done = self.step_index
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": done,
+            "rng": _rng_state(self.device),
+            "data": self.data.state_dict(),
+            "model_config": dataclasses.asdict(self.model_cfg),
+            # through JSON: a Path or another object in the config is saved as the string config.json shows
+            "train_config": json.loads(json.dumps(dataclasses.asdict(self.cfg), default=str)),
+        }
+        path = self.out_dir / "checkpoint.pt"
+        _save(state, path)
+        if self.cfg.checkpoint_every and done % self.cfg.checkpoint_every == 0:
+            _save(state, self.out_dir / f"checkpoint-{done:06d}.pt")
+        return path
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.rows]
+
+    def finish(self) -> TrainResult:
+        """Flush, then write ``summary.json`` and the loss plot; the run's :class:`TrainResult`."""
+        self.flush()
+        wall = time.perf_counter() - self._t_run
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        cfg, rows, losses = self.cfg, self.rows, self.losses
+        if not rows:
+            raise RuntimeError("finish() before any step ran")
+        tokens_per_s, tokens_per_s_overall = throughput(rows)
+        plot_path = None
+        if cfg.plot and self.rank == 0:
+            curve = {self.mode: [(r["step"], r["loss"]) for r in rows]}
+            plot_path = plot_losses(curve, self.out_dir / "loss.png", self._say)
+        result = TrainResult(
+            out_dir=self.out_dir,
+            first_step=self.start,
+            losses=losses,
+            tokens_per_s=tokens_per_s,
+            tokens_per_s_overall=tokens_per_s_overall,
+            step_ms_median=sorted(r["step_ms"] for r in rows)[len(rows) // 2],
+            tokens=sum(r["tokens"] for r in rows),
+            device=str(self.device),
+            graphs=self.graphs,
+            scope=cfg.scope if self.graphs else None,
+            num_graph_sets=self.runner.num_graph_sets if self.graphs else 0,
+            recaptures=self.runner.recaptures if self.graphs else 0,
+            log_path=self.log_path,
+            checkpoint_path=self.out_dir / "checkpoint.pt" if cfg.save_checkpoint else None,
+            plot_path=plot_path,
+            wall_s=wall,
+            first_step_s=float(self.first_step_s or 0.0),
+        )
+        if self.rank == 0:
+            summary = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(result).items()}
+            summary.update(first_loss=losses[0], final_loss=losses[-1], world_size=self.world)
+            del summary["losses"]
+            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return result
+
+    def close(self) -> None:
+        """Release the progress bar and the process group this trainer started (safe to call twice)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self.dp is not None:
+            self.dp.close()
+            self.dp = None
 
 
 def compare_eager_graphed(

@@ -7,6 +7,7 @@ differences seen are published with `report`.
 """
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -15,7 +16,14 @@ from packgraph.buckets import default_buckets
 from packgraph.models.gpt import GPT, SCOPES, GPTConfig
 from packgraph.packing import PackedBatch, fixed_shape_sample
 from packgraph.score import score
-from packgraph.train import DataStream, TrainConfig, accumulate_gradients, compare_eager_graphed, corpus_documents
+from packgraph.train import (
+    DataStream,
+    TrainConfig,
+    Trainer,
+    accumulate_gradients,
+    compare_eager_graphed,
+    corpus_documents,
+)
 
 T = 1024
 LOSS_ATOL = 1e-3
@@ -172,3 +180,33 @@ def test_deterministic_runs_are_bitwise_equal_eager_and_graphed(tmp_path, report
         report(f"deterministic 25 steps tiny: max |loss diff| {name} vs eager", out["max_abs_loss_diff"][name])
         assert run.num_graph_sets >= 2, name  # several buckets met, so captures happened mid-run
         assert run.losses == eager, name
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphed-layer"])
+def test_training_steps_sync_only_when_logged(tmp_path, graphs, report):
+    """torch's sync debug mode flags every synchronizing CUDA call. In the steady state (after lazy initialisation
+    and, graphed, the capture of the one bucket and its first replay) a step syncs once when it is logged (every
+    4th and the last) and never otherwise: batches go up from pinned memory, step times are CUDA events."""
+    cfg = tiny_run(tmp_path, 12, graphs=graphs, log_every=4, max_seqlen_ladder=(T,), capacity_ladder=(64,))
+    trainer = Trainer(cfg, echo=None)
+    per_step = []
+    try:
+        trainer.step()
+        trainer.step()
+        torch.cuda.synchronize()
+        while not trainer.done:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    trainer.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            per_step.append(sum("synchroniz" in str(w.message) for w in caught))
+        result = trainer.finish()
+    finally:
+        trainer.close()
+    assert per_step == [1 if s % 4 == 0 or s == 12 else 0 for s in range(3, 13)], per_step
+    assert len(result.losses) == 12 and all(r["step_ms"] > 0 for r in trainer.rows)
+    assert result.num_graph_sets == (1 if graphs else 0)
+    report(f"train tiny ({'graphed' if graphs else 'eager'}): syncs in steps 3-12 with log_every=4", sum(per_step))

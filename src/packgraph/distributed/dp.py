@@ -92,6 +92,7 @@ def allreduce_gradients(
     *,
     average: bool = False,
     bucket_cap_mb: float = 25.0,
+    every_rank_has_grads: bool = False,
 ) -> None:
     """Sum (or average) every parameter's ``.grad`` across ``group``, in place, after ``backward()``.
 
@@ -107,6 +108,8 @@ def allreduce_gradients(
         parameters: a module or its parameters, in the same order on every rank.
         average: divide by the group size (DDP's convention); the default sums, for losses already normalised
             by the global token count (module docstring).
+        every_rank_has_grads: the caller knows every rank produced a grad for every parameter that requires one
+            (each rank runs the whole model): the flag all-reduce and its device-to-host read are skipped.
     """
     params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
     unique = list({id(p): p for p in params if p.requires_grad}.values())
@@ -117,7 +120,9 @@ def allreduce_gradients(
         return
     had_grad = [p.grad is not None for p in unique]
     used_anywhere = had_grad
-    if world > 1:
+    if world > 1 and every_rank_has_grads:
+        used_anywhere = [True] * len(unique)
+    elif world > 1:
         flags = torch.tensor(had_grad, dtype=torch.int32, device=unique[0].device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         used_anywhere = [bool(f) for f in flags.tolist()]
