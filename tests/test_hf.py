@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from packgraph.buckets import BucketPolicy  # noqa: E402
+from packgraph.graphs import use_recorder  # noqa: E402
 from packgraph.integrations import hf  # noqa: E402
 from packgraph.params import PackedSeqParamsError  # noqa: E402
 from tests.eager_recorder import EagerRecorder  # noqa: E402
@@ -21,6 +22,15 @@ from tests.eager_recorder import EagerRecorder  # noqa: E402
 VOCAB = 97
 DOC_LENGTHS = (5, 17, 1, 9, 12)
 TOTAL_TOKENS = 56  # > sum(DOC_LENGTHS) = 44: the stream has dead tail rows
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Ops on models this small are too short to split across threads: a second thread only adds synchronization.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _configs():
@@ -252,10 +262,16 @@ def test_from_flattening_batch_errors():
 
 # ---------------------------------------------------------------------------------------------------- graphs
 def test_graph_decoder_layers_needs_cuda(llama_pair):
+    """Without a stand-in recorder the engine records CUDA graphs: a CPU model cannot be captured."""
     model, _ = llama_pair
     sample = hf.from_flattening_batch(_collate(_docs()), total_tokens=TOTAL_TOKENS)
-    with pytest.raises(RuntimeError, match="CUDA"):
-        hf.graph_decoder_layers(model, sample)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="graph inputs must be on cuda"):
+            hf.graph_decoder_layers(model, sample)
+    else:
+        with pytest.raises(RuntimeError, match="CUDA"):
+            hf.graph_decoder_layers(model, sample)
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)
 
 
 @pytest.mark.parametrize("scope", ["layer", "attention", "mlp"])
@@ -312,7 +328,8 @@ def test_graph_decoder_layers_through_the_engine_on_a_cpu_stand_in(scope):
     model = _model(config, "packgraph").train()
     ref = _model(config, "packgraph", model.state_dict()).train()
     batches = _same_signature_batches()
-    handle = hf.graph_decoder_layers(model, batches[0], scope=scope, _recorder=EagerRecorder())
+    with use_recorder(EagerRecorder()):
+        handle = hf.graph_decoder_layers(model, batches[0], scope=scope)
     for batch in batches:
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
@@ -324,8 +341,23 @@ def test_graph_decoder_layers_through_the_engine_on_a_cpu_stand_in(scope):
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
     assert [g.captures for g in handle.graphed] == [1] * config.num_hidden_layers  # one signature, no recapture
+    # Paused: the original forwards run (a new shape would otherwise need graphs of its own), the graphs stay.
+    odd = hf.from_flattening_batch(_collate(_docs((3, 4))), total_tokens=7)
+    replays = [_replays(g) for g in handle.graphed]
+    with torch.no_grad(), handle.paused():
+        assert not any("forward" in t.__dict__ for t in handle.targets)
+        got = hf.packed_forward(model, odd).logits
+        torch.testing.assert_close(got, hf.packed_forward(ref, odd).logits, atol=1e-6, rtol=1e-6)
+    assert [_replays(g) for g in handle.graphed] == replays and all("forward" in t.__dict__ for t in handle.targets)
+    assert [g.captures for g in handle.graphed] == [1] * config.num_hidden_layers
     handle.remove()
     assert not any("forward" in t.__dict__ for t in handle.targets)
+
+
+def _replays(graphed):
+    return sum(
+        e.fwd_graph.replays + (e.bwd_graph.replays if e.bwd_graph is not None else 0) for e in graphed.cache.values()
+    )
 
 
 def test_graph_decoder_layers_forward_only_on_a_cpu_stand_in():
@@ -333,10 +365,32 @@ def test_graph_decoder_layers_forward_only_on_a_cpu_stand_in():
     model = _model(config, "packgraph")
     ref = _model(config, "packgraph", model.state_dict())
     batches = _same_signature_batches()
-    recorder = EagerRecorder()
-    with torch.no_grad(), hf.graph_decoder_layers(model, batches[0], forward_only=True, _recorder=recorder) as handle:
-        for batch in batches:
-            got = hf.packed_forward(model, batch).logits
-            torch.testing.assert_close(got, hf.packed_forward(ref, batch).logits, atol=1e-6, rtol=1e-6)
-        # Captured in eval mode and called in eval mode: one graph per layer, no recapture.
-        assert [g.captures for g in handle.graphed] == [1] * config.num_hidden_layers
+    with use_recorder(EagerRecorder()), torch.no_grad():
+        with hf.graph_decoder_layers(model, batches[0], forward_only=True) as handle:
+            for batch in batches:
+                got = hf.packed_forward(model, batch).logits
+                torch.testing.assert_close(got, hf.packed_forward(ref, batch).logits, atol=1e-6, rtol=1e-6)
+            # Captured in eval mode and called in eval mode: one graph per layer, no recapture.
+            assert [g.captures for g in handle.graphed] == [1] * config.num_hidden_layers
+
+
+def test_attention_casts_to_the_autocast_dtype(monkeypatch):
+    """Under autocast the projections are bf16 but RoPE's float32 tables promote q and k back to float32: the
+    attention gets all three in the autocast dtype (SDPA would cast them the same way), and nothing otherwise."""
+    seen = []
+
+    def recording_attention(q, k, v, params, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return q
+
+    monkeypatch.setattr(hf, "varlen_attention", recording_attention)
+    module = torch.nn.Module()
+    q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    v = torch.randn(1, 2, 6, 8, dtype=torch.bfloat16)
+    meta = dict(cu_seq_lens_q=torch.tensor([0, 6], dtype=torch.int32), max_length_q=6, max_length_k=6)
+    meta["cu_seq_lens_k"] = meta["cu_seq_lens_q"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = hf.packgraph_attention(module, q, k, v, None, **meta)
+    assert seen == [(torch.bfloat16,) * 3] and out.dtype == torch.bfloat16
+    hf.packgraph_attention(module, q, k, v.float(), None, **meta)
+    assert seen[-1] == (torch.float32,) * 3

@@ -178,3 +178,33 @@ def test_bucketed_collator_batches_equal_eager(report):
     report("hf llama bucketed collator batches: graphs per layer / buckets used", f"{graphs_per_layer}/{buckets_used}")
     assert diff <= REL_TOL
     assert graphs_per_layer == buckets_used
+
+
+def test_autocast_bf16_over_float32_weights_equals_sdpa_per_document(report):
+    """Trainer's bf16=True: float32 weights under bf16 autocast (q/k leave RoPE in float32, v in bf16). The packed
+    forward, eager and graphed, against each document run alone through HF's own sdpa attention."""
+    model = _llama().float().train()
+    # from_config writes the implementation into the config it is given: the reference needs its own copy.
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(model.config), attn_implementation="sdpa")
+    ref = ref.cuda()
+    ref.load_state_dict(model.state_dict())
+    graphed = copy.deepcopy(model)
+    batch = _packings(1, seed=6)[0]
+    docs = [batch.tokens[a:b] for a, b in pairwise(batch.packed_seq_params.cu_seqlens_q.tolist()) if b > a]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        handle = graph_decoder_layers(graphed, batch)
+        eager_logits = packed_forward(model, batch).logits[0]
+        graphed_logits = packed_forward(graphed, batch).logits[0]
+        with torch.no_grad():
+            per_doc = torch.cat([ref(input_ids=d.view(1, -1), use_cache=False).logits[0] for d in docs])
+    n = per_doc.shape[0]
+    vs_sdpa = _rel(eager_logits[:n], per_doc).item()
+    vs_eager = _rel(graphed_logits, eager_logits).item()
+    handle.remove()
+    report(
+        "hf llama bf16 autocast over fp32 weights: packed vs sdpa per document, max rel |logits diff|", f"{vs_sdpa:.2e}"
+    )
+    report("hf llama bf16 autocast: graphed vs eager packed, max rel |logits diff|", f"{vs_eager:.2e}")
+    assert model.config._attn_implementation == "packgraph"
+    assert vs_sdpa <= 5e-2  # two bf16 attention kernels (FA2 varlen, sdpa): rounding differs, documents must not mix
+    assert vs_eager <= REL_TOL

@@ -18,6 +18,9 @@ Three pieces, usable alone:
 * **Graphs.** :func:`graph_decoder_layers` captures each decoder layer (or its attention or MLP) of an HF causal
   LM with :func:`packgraph.capture_layers`; embeddings, rotary tables, final norm, head and loss stay eager.
 
+``transformers.Trainer`` (and TRL's ``SFTTrainer``) users get all three through
+:mod:`packgraph.integrations.hf_trainer`.
+
 Label convention. HF's collator keeps labels *aligned with the inputs*: ``labels[i]`` is token ``i`` itself (or
 -100), the first token of every document is -100, and the model shifts by one inside its loss. packgraph's
 ``PackedBatch.labels`` are *already shifted*: ``labels[i]`` is the target predicted at row ``i`` (the next token of
@@ -27,9 +30,9 @@ shift accordingly, so the same tokens are scored either way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
@@ -141,8 +144,27 @@ def packgraph_attention(
         is_causal = getattr(module, "is_causal", True)
     # [1, H, T, D] -> [T, H, D] is a view; RoPE leaves q/k with token-major strides, so no copy happens here.
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    dtype = _attention_dtype(q)
+    if dtype is not None:
+        # Under autocast the projections come out in the autocast dtype but RoPE's float32 tables promote q and k
+        # back to float32; SDPA would cast all three down (it is an autocast op), and FA2 needs one dtype.
+        q, k, v = (x.to(dtype) for x in (q, k, v))
     out = varlen_attention(q, k, v, params, causal=bool(is_causal), softmax_scale=scaling)
     return out.unsqueeze(0), None
+
+
+def _attention_dtype(q: Tensor) -> torch.dtype | None:
+    """The autocast dtype of ``q``'s device when autocast is on there, else None."""
+    device_type = q.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch without the device argument
+        enabled = torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+    if not enabled:
+        return None
+    if hasattr(torch, "get_autocast_dtype"):
+        return torch.get_autocast_dtype(device_type)
+    return torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
 
 
 def packed_params_from_kwargs(kwargs: Mapping[str, Any]) -> PackedSeqParams:
@@ -390,6 +412,21 @@ class GraphedDecoderLayers:
                 del target.forward
         self.graphed = []
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[GraphedDecoderLayers]:
+        """Within the block the targets run their original forwards, eagerly; the graphs are kept for after it.
+
+        For work the graphs were not captured for (evaluation under ``no_grad`` in a training run, a one-off
+        shape), which would otherwise capture graphs of its own.
+        """
+        patched = [target.__dict__.pop("forward", None) for target in self.targets]
+        try:
+            yield self
+        finally:
+            for target, forward in zip(self.targets, patched, strict=True):
+                if forward is not None:
+                    target.forward = forward
+
     def __enter__(self) -> GraphedDecoderLayers:
         return self
 
@@ -427,22 +464,14 @@ def graph_decoder_layers(
     Calls must come through :func:`packed_forward` (or pass ``packed_seq_params``/the flash kwargs yourself), with
     no attention mask and no KV cache.
 
+    CPU tests drive the real engine through its seam: ``with packgraph.graphs.use_recorder(stand_in): ...``.
+
     Raises:
-        RuntimeError: no CUDA (graphs need it; run :func:`packed_forward` eagerly on the CPU), or gradient
-            checkpointing is on. ValueError: wrong ``attn_implementation`` or ``scope``.
+        RuntimeError: no CUDA (the engine's error; run :func:`packed_forward` eagerly on the CPU), or gradient
+            checkpointing is on. ValueError: wrong ``attn_implementation`` or ``scope``, or the model is not on the
+            device the graphs are captured on.
     """
     from packgraph.graphs import capture_layers
-    from packgraph.graphs.capture import capture_layers_with
-
-    # A stand-in recorder (the engine's capture_layers_with hook) lets CPU tests drive the real engine without CUDA.
-    recorder = capture_opts.pop("_recorder", None)
-    device = next(model.parameters()).device
-    if recorder is None and (device.type != "cuda" or not torch.cuda.is_available()):
-        raise RuntimeError(
-            f"graph_decoder_layers captures CUDA graphs and needs the model on a CUDA device (it is on {device}); "
-            "on the CPU run the model eagerly with packed_forward"
-        )
-    capture = capture_layers if recorder is None else functools.partial(capture_layers_with, recorder)
 
     def make_graphed(adapters: list[_LayerCall], sample_args: tuple) -> list[Callable[..., Tensor]]:
         # Whole layers feed each other directly (chained: no copies between graphs); with a partial scope an eager
@@ -450,7 +479,7 @@ def graph_decoder_layers(
         opts = dict(capture_opts, forward_only=forward_only, chain=scope == "layer")
         if buckets is not None:
             opts["buckets"] = buckets
-        return capture(adapters, sample_args, **opts)
+        return capture_layers(adapters, sample_args, **opts)
 
     return _install(model, sample_batch, scope=scope, forward_only=forward_only, make_graphed=make_graphed)
 
