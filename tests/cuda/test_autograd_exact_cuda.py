@@ -1,0 +1,326 @@
+"""Eager autograd is the spec, on the GPU: every case compares real CUDA graphs with the eager module on the same
+inputs (the CPU stand-in runs the same cases in tests/test_autograd_exact.py).
+
+Reference layer and tolerances as in test_graphs_cuda.py: ``Block`` in bf16, d=256, T=1024; forward within 1e-2,
+each grad within 2e-2 of its eager max (FlashAttention's backward accumulates with atomics). ``.grad is None`` is
+compared exactly.
+"""
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from packgraph.buckets import default_buckets
+from packgraph.graphs import GraphOrderError, capture, capture_layers
+from packgraph.models.gpt import GPT, Block, GPTConfig
+from packgraph.packing import PackedBatch
+from packgraph.params import PackedSeqParams
+from tests.cuda.test_graphs_cuda import CAPACITY, DEV, FWD_TOL, GRAD_RTOL, D, T, _block
+
+pytestmark = pytest.mark.cuda
+
+
+def _params(lengths, capacity=CAPACITY, max_seqlen=T):
+    return PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=T, max_seqlen=max_seqlen, device=DEV)
+
+
+def _x(seed, requires_grad=True):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(T, D, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(requires_grad)
+
+
+def _loss(out):
+    w = torch.linspace(-1, 1, out.numel(), device=out.device, dtype=torch.float32).view_as(out)
+    return (out.float() * w).sum()
+
+
+def _grads(module):
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in module.named_parameters()}
+
+
+def _close(a, b, what=""):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    scale = b.float().abs().max().clamp_min(1e-30)
+    assert ((a.float() - b.float()).abs().max() / scale).item() <= GRAD_RTOL, what
+
+
+def _same_grads(got, want):
+    assert got.keys() == want.keys()
+    for name in want:
+        _close(got[name], want[name], name)
+
+
+def test_autograd_grad_and_backward_inputs_touch_only_what_eager_touches(report):
+    block = _block()
+    p = _params([300, 0, 1, 500])
+    graphed = capture(block, (_x(0), p))
+    got = []
+    for fn in (block, graphed):
+        block.zero_grad(set_to_none=True)
+        x = _x(1)
+        (gx,) = torch.autograd.grad(_loss(fn(x, p)), [x])
+        none_left = all(q.grad is None for q in block.parameters())
+        x2 = _x(2)
+        _loss(fn(x2, p)).backward(inputs=[x2, block.attn.qkv.weight])
+        got.append((gx, none_left, x2.grad, _grads(block)))
+    (gx_e, none_e, x2_e, ge), (gx_g, none_g, x2_g, gg) = got
+    assert none_e and none_g
+    _close(gx_g, gx_e, "x grad")
+    _close(x2_g, x2_e, "x2 grad")
+    _same_grads(gg, ge)
+    assert gg["mlp.down.weight"] is None and gg["attn.qkv.weight"] is not None
+    report("exact: autograd.grad / backward(inputs=) leave other .grad alone", 1)
+
+
+def test_parameters_frozen_after_capture_get_no_grad(report):
+    block = _block()
+    p = _params([300, 0, 1, 500])
+    graphed = capture(block, (_x(0), p))
+    for frozen in ({"attn.qkv.weight"}, set()):
+        for name, q in block.named_parameters():
+            q.requires_grad_(name not in frozen)
+        got = []
+        for fn in (block, graphed):
+            block.zero_grad(set_to_none=True)
+            _loss(fn(_x(3), p)).backward()
+            got.append(_grads(block))
+        _same_grads(got[1], got[0])
+        assert all(got[1][name] is None for name in frozen)
+    report("exact: frozen-after-capture graphs", graphed.captures)
+
+
+def test_reassigned_cu_seqlens_are_bucketed_from_their_values_not_stale_host_offsets(report):
+    block = _block()
+    policy = default_buckets(T)
+    p = _params([100, 20], capacity=8)
+    graphed = capture(block, (_x(0), p), buckets=policy)
+    stale = _params([100, 20], capacity=8)
+    new = torch.tensor([0, 1000, 1020] + [1020] * 6, dtype=torch.int32, device=DEV)  # same length, new values
+    stale.cu_seqlens_q = new
+    stale.cu_seqlens_kv = new
+    true = _params([1000, 20], capacity=8, max_seqlen=1000)
+    out = graphed(_x(1), stale)
+    ref = block(_x(1), true)
+    err = (out.float() - ref.float()).abs().max().item()
+    report("exact: reassigned cu_seqlens max |graphed - eager|", err)
+    assert err <= FWD_TOL
+
+
+def test_default_buckets_serve_every_batch_without_eviction_and_with_eager_grads(report):
+    block = _block()
+    policy = default_buckets(T)
+    graphed = capture(block, (_x(0), _params([T], capacity=1)), buckets=policy)
+    hit = {policy.bucket_for(T, 1)}
+    rng = random.Random(0)
+    worst = 0.0
+    for cycle in range(3):
+        for max_seqlen in policy.max_seqlen_ladder:
+            for capacity in policy.capacity_ladder:
+                n = capacity
+                lengths = [1] * n
+                lengths[0] = min(max_seqlen, T - (n - 1))
+                hit.add(policy.bucket_for(max(lengths), n))
+                p = PackedSeqParams.from_seqlens(lengths, capacity=n, total_tokens=T, max_seqlen=T, device=DEV)
+                seed = rng.randint(0, 100)
+                results = []
+                for fn in (block, graphed):
+                    block.zero_grad(set_to_none=True)
+                    x = _x(seed)
+                    y = fn(x, p)
+                    _loss(y).backward()
+                    results.append((y.detach().float(), x.grad, _grads(block)))
+                worst = max(worst, (results[1][0] - results[0][0]).abs().max().item())
+                if cycle == 0:
+                    _close(results[1][1], results[0][1], "x grad")
+                    _same_grads(results[1][2], results[0][2])
+    report("exact: buckets cycled x3, graphs captured", graphed.captures)
+    report("exact: buckets in the default policy (T=1024)", policy.num_buckets)
+    assert graphed.evictions == 0 and graphed.captures == len(hit) >= 8
+    assert worst <= FWD_TOL
+
+
+def test_a_batch_of_one_token_documents_fills_the_top_capacity_rung(report):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=256, n_head=4, n_layer=2)).to(DEV)
+    T4 = 4096
+    policy = default_buckets(T4)
+    docs = [torch.randint(0, 256, (1,)) for _ in range(600)]
+    batch = PackedBatch.from_documents(docs, bin_size=T4, capacity=600, max_seqlen=1).to(DEV)
+    graphed = model.graphed(scope="layer", buckets=policy)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss_g = graphed(batch)
+        _, loss_e = model(batch)
+    report("exact: 600 one-token documents at T=4096, loss graphed - eager", abs(loss_g.item() - loss_e.item()))
+    assert abs(loss_g.item() - loss_e.item()) <= 1e-2 * abs(loss_e.item())
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_a_forward_while_its_backward_is_pending_raises_and_the_backward_stays_right(input_grad):
+    block = _block()
+    p = _params([300, 0, 1, 500])
+    graphed = capture(block, (_x(0, input_grad), p))
+    first = graphed(_x(1, input_grad), p)
+    with pytest.raises(GraphOrderError):
+        graphed(_x(2, input_grad), p)
+    with torch.no_grad(), pytest.raises(GraphOrderError):
+        graphed(_x(2, input_grad), p)
+    block.zero_grad(set_to_none=True)
+    _loss(first).backward()
+    got = _grads(block)
+    block.zero_grad(set_to_none=True)
+    _loss(block(_x(1, input_grad), p)).backward()
+    _same_grads(got, _grads(block))
+
+
+def test_double_backward_raises_a_clear_error():
+    block = _block()
+    p = _params([300, 0, 1, 500])
+    graphed = capture(block, (_x(0), p))
+    x = _x(1)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(_loss(graphed(x, p)), [x], create_graph=True)
+
+
+def test_parameters_moved_after_capture_recapture_without_a_sync(report):
+    block = _block()
+    p = _params([300, 0, 1, 500])
+    graphed = capture(block, (_x(0), p))
+    ref = _block()
+    fresh = {k: v.clone() * 1.5 for k, v in block.state_dict().items()}
+    block.load_state_dict(fresh, assign=True)  # new storage: the old graph would read stale weights
+    ref.load_state_dict(fresh)
+    out = graphed(_x(1), p)
+    err = (out.float() - ref(_x(1), p).float()).abs().max().item()
+    x = _x(2)
+    graphed(x, p)  # warm: the next call only checks the parameters, on the host
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            graphed(x, p)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    report("exact: load_state_dict(assign=True) max |graphed - eager|", err)
+    assert err <= FWD_TOL and graphed.captures == 2
+
+
+def test_gradient_hooks_fire_as_in_eager(report):
+    block = _block()
+    p = _params([300, 0, 1, 500])
+    graphed = capture(block, (_x(0), p))
+    results = []
+    for fn in (block, graphed):
+        seen = {"tensor": 0, "post": 0}
+        handles = [block.attn.qkv.weight.register_hook(lambda g, s=seen: s.__setitem__("tensor", s["tensor"] + 1))]
+        handles += [
+            q.register_post_accumulate_grad_hook(lambda _, s=seen: s.__setitem__("post", s["post"] + 1))
+            for q in block.parameters()
+        ]
+        block.zero_grad(set_to_none=True)
+        for i in range(2):
+            _loss(fn(_x(4 + i), p)).backward()
+        results.append((seen, _grads(block)))
+        for h in handles:
+            h.remove()
+    assert results[0][0] == results[1][0]
+    _same_grads(results[1][1], results[0][1])
+    report("exact: hook calls per 2 micro-batches", results[1][0]["post"])
+
+
+def test_outputs_and_grads_held_across_replays_keep_their_values():
+    block = _block()
+    p = _params([300, 0, 1, 500])
+    scorer = capture(block, (_x(0, False), p), forward_only=True)
+    with torch.no_grad():
+        held = [scorer(_x(i, False), p) for i in range(3)]
+        for i, out in enumerate(held):
+            assert (out.float() - block(_x(i, False), p).float()).abs().max().item() <= FWD_TOL
+    graphed = capture(block, (_x(0), p))
+    history = []
+    for i in range(3):
+        block.zero_grad(set_to_none=True)
+        _loss(graphed(_x(i), p)).backward()
+        history.append(block.attn.qkv.weight.grad)
+    for i, g in enumerate(history):
+        block.zero_grad(set_to_none=True)
+        _loss(block(_x(i), p)).backward()
+        _close(g, block.attn.qkv.weight.grad, f"step {i}")
+
+
+def test_outputs_read_on_another_stream_survive_eviction_and_recapture():
+    """Static memory of an evicted graph returns to the pool only after every stream is done with it: each capture
+    synchronises the device before it allocates anything."""
+    block = _block()
+    graphed = capture(block, (_x(0, False), _params([300, 500])), forward_only=True, max_graphs=1)
+    side = torch.cuda.Stream()
+    with torch.no_grad():
+        out = graphed(_x(1, False), _params([300, 500]))
+        want = block(_x(1, False), _params([300, 500])).float() * 2
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # keep the side stream busy past the evictions below
+            doubled = out.float() * 2
+        del out
+        for lengths in ([10, 20], [7, 7, 7]):  # each a new signature: evicts the previous graph, reuses its pool
+            graphed(_x(2, False), _params(lengths, capacity=8 if len(lengths) < 3 else 32))
+        torch.cuda.current_stream().wait_stream(side)
+    assert graphed.evictions == 2
+    assert (doubled - want).abs().max().item() <= 2 * FWD_TOL
+
+
+def test_graphed_training_emits_no_warning():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=256, n_head=4, n_layer=2)).to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    docs = [torch.randint(0, 256, (n,)) for n in (300, 40, 500, 7)]
+    batch = PackedBatch.from_documents(docs, bin_size=T, capacity=8, max_seqlen=T).to(DEV)
+    other = PackedBatch.from_documents(docs[:2], bin_size=T, capacity=8, max_seqlen=512).to(DEV)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # eager first, as the demo does, then graphed with a capture mid-run
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                model(batch)[1].backward()
+        graphed = model.graphed(scope="layer", buckets=default_buckets(T))
+        for b in (batch, batch, other, batch, other):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                graphed(b)[1].backward()
+            opt.step()
+        torch.cuda.synchronize()
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+
+
+def test_capture_layers_stack_matches_eager_across_buckets_with_one_buffer_set(report):
+    torch.manual_seed(0)
+    layers = [Block(GPTConfig(d_model=D, n_head=4, n_layer=3)).to(DEV, torch.bfloat16) for _ in range(3)]
+    policy = default_buckets(T)
+    graphed = capture_layers(layers, (_x(0), _params([T], capacity=1)), buckets=policy)
+    rng = random.Random(1)
+    for step in range(12):
+        n = rng.choice([1, 3, 20, 64])
+        lengths = [rng.randint(1, T // n) for _ in range(n)]
+        p = PackedSeqParams.from_seqlens(lengths, total_tokens=T, device=DEV)
+        outs = []
+        for stack in (layers, graphed):
+            for layer in layers:
+                layer.zero_grad(set_to_none=True)
+            x = _x(step)
+            h = x
+            for layer in stack:
+                h = layer(h, p)
+            _loss(h).backward()
+            outs.append((h.detach().float(), x.grad, [_grads(layer) for layer in layers]))
+        assert (outs[1][0] - outs[0][0]).abs().max().item() <= FWD_TOL
+        _close(outs[1][1], outs[0][1], "x grad")
+        for g, e in zip(outs[1][2], outs[0][2], strict=True):
+            _same_grads(g, e)
+    for g in graphed:
+        first, *later = g.cache.values()
+        assert later and all(
+            e.statics() and [id(t) for t in e.statics()] == [id(t) for t in first.statics()] for e in later
+        )
+    report("exact: stack buckets met", graphed[0].num_graphs)

@@ -1,0 +1,90 @@
+"""Memory invariants of one capture group, measured as ratios in one process on the GPU.
+
+A small GPT (d=512, 4 layers, T=2048, bf16 autocast, AdamW) trains on streams of packed batches through
+``model.graphed(scope="layer", buckets=default_buckets(T))``. Every bucket shares one pool, one activation set and
+one set of static buffers per layer, and warm-ups allocate from the pool, so
+
+* a stream that visits four buckets peaks no higher than one that stays in one (allocated and reserved);
+* capturing a new bucket mid-run does not raise the reserved peak above the steady state's;
+* the graphed run's peak is compared with eager's on the same batches (reported; the target is checked by
+  ``packgraph bench``).
+"""
+
+import gc
+
+import pytest
+import torch
+
+from packgraph.buckets import default_buckets
+from packgraph.models.gpt import GPT, GPTConfig
+from packgraph.packing import PackedBatch
+
+pytestmark = pytest.mark.cuda
+
+T = 2048
+DEV = "cuda"
+
+
+def _batch(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, 256, (n,), generator=g) for n in lengths]
+    return PackedBatch.from_documents(docs, bin_size=T, capacity=len(lengths), max_seqlen=max(lengths)).to(DEV)
+
+
+# One batch per bucket: (max_seqlen rung, capacity rung) of default_buckets(2048) = (1024, 8), (256, 32),
+# (2048, 8), (256, 128).
+_FOUR = [[700, 300, 20], [200] * 9, [2000, 40], [10] * 100]
+
+
+def _run(stream, graphed: bool, steps_per_batch: int = 2):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=512, n_layer=4, n_head=8)).to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    runner = model.graphed(scope="layer", buckets=default_buckets(T)) if graphed else model
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    peaks = []
+    for batch in stream:
+        for _ in range(steps_per_batch):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = runner(batch)[1]
+            loss.backward()
+            opt.step()
+        torch.cuda.synchronize()
+        peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+    captures = runner.captures if graphed else 0
+    del runner, model, opt, loss
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return peaks, captures
+
+
+def test_four_buckets_peak_no_higher_than_one(report):
+    one = [_batch(_FOUR[0], seed) for seed in range(4)]
+    four = [_batch(lengths, seed) for seed, lengths in enumerate(_FOUR)]
+    (p_one, c_one), (p_four, c_four) = _run(one, True), _run(four, True)
+    (e_four, _) = _run(four, False)
+    alloc = p_four[-1][0] / p_one[-1][0]
+    reserved = p_four[-1][1] / p_one[-1][1]
+    report("memory: buckets captured (one-bucket / four-bucket stream)", f"{c_one} / {c_four}")
+    report("memory: peak allocated, four buckets / one bucket", alloc)
+    report("memory: peak reserved, four buckets / one bucket", reserved)
+    report("memory: graphed / eager peak allocated (four buckets)", p_four[-1][0] / e_four[-1][0])
+    report("memory: graphed / eager peak reserved (four buckets)", p_four[-1][1] / e_four[-1][1])
+    assert c_one == 1 and c_four == 4
+    assert alloc <= 1.03
+    assert reserved <= 1.05
+
+
+def test_capturing_a_new_bucket_mid_run_keeps_the_reserved_peak(report):
+    stream = [_batch(_FOUR[0], seed) for seed in range(3)] + [_batch(lengths, 9) for lengths in _FOUR[1:]]
+    peaks, captures = _run(stream, True)
+    steady = peaks[2][1]  # after three batches of the first bucket (its capture included)
+    worst = max(reserved for _, reserved in peaks[3:])
+    report("memory: reserved peak after 3 new-bucket captures / steady", worst / steady)
+    assert captures == 4
+    assert worst <= 1.05 * steady
