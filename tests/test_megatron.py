@@ -192,3 +192,84 @@ def test_rl_bin_params_match_megatron_rl():
     assert torch.equal(theirs.cu_seqlens_q, ours.cu_seqlens_q)
     assert torch.equal(theirs.cu_seqlens_kv, ours.cu_seqlens_kv)
     assert (theirs.max_seqlen_q, theirs.max_seqlen_kv) == (ours.max_seqlen_q, ours.max_seqlen_kv)
+
+
+# ---------------------------------------------------------------------------------------------------- host offsets
+def test_host_offsets_survive_a_round_trip_through_megatrons_class(megatron_cls):
+    params = PackedSeqParams.from_seqlens([3, 5, 2], capacity=5, pad_to_multiple=4).attention_view()
+    theirs = to_megatron(params)
+    back = from_megatron(theirs)
+    assert back.current_host_offsets() == params.current_host_offsets()
+    assert back.cu_seqlens_q is params.cu_seqlens_q
+
+    theirs.cu_seqlens_q = params.cu_seqlens_q.clone()  # another tensor: the host copies no longer describe it
+    theirs.cu_seqlens_kv = theirs.cu_seqlens_q
+    assert from_megatron(theirs).host_offsets is None
+
+    written = to_megatron(params)
+    assert from_megatron(written).current_host_offsets() is not None
+    written.cu_seqlens_q.add_(0)  # written in place: the version moves, the copies are stale
+    assert from_megatron(written).current_host_offsets() is None
+
+
+def test_megatron_params_are_registered_with_the_engine(megatron_cls):
+    from packgraph.params import params_type_of
+
+    params = _params()
+    found = params_type_of(to_megatron(params))
+    assert found is not None
+    ours = found.to_packgraph(to_megatron(params))
+    assert isinstance(ours, PackedSeqParams) and ours.equals(params)
+    assert type(found.from_packgraph(params)) is megatron_cls
+
+
+def test_to_megatron_gives_mamba_layers_megatrons_seq_idx_without_a_sync(megatron_cls):
+    names = {f.name for f in dataclasses.fields(megatron_cls)}
+    params = PackedSeqParams.from_seqlens([5, 0, 6], capacity=5, total_tokens=20, pad_to_multiple=4)
+    if "seq_idx" not in names:  # Megatron-Core 0.16: no Mamba fields on the class
+        with pytest.raises(PackedSeqParamsError, match="attention_view"):
+            to_megatron(params)
+        return
+    theirs = to_megatron(params)
+    assert theirs.cu_seqlens_q is params.cu_seqlens_q and theirs.total_tokens == 20
+    # Megatron's own constructor computes seq_idx from cu_seqlens and total_tokens: the reference
+    reference = megatron_cls(
+        qkv_format="thd",
+        cu_seqlens_q=params.cu_seqlens_q,
+        cu_seqlens_kv=params.cu_seqlens_kv,
+        cu_seqlens_q_padded=params.cu_seqlens_q_padded,
+        cu_seqlens_kv_padded=params.cu_seqlens_kv_padded,
+        max_seqlen_q=params.max_seqlen_q,
+        max_seqlen_kv=params.max_seqlen_kv,
+        total_tokens=20,
+    )
+    assert torch.equal(theirs.seq_idx, reference.seq_idx)
+    given = params.with_seq_idx()
+    assert to_megatron(given).seq_idx is given.seq_idx  # a seq_idx the params carry is kept, not rebuilt
+
+
+def test_capture_takes_megatron_params_and_hands_the_callable_megatrons_class(megatron_cls):
+    """The engine splits a Megatron PackedSeqParams like packgraph's (its registration here): cu_seqlens are graph
+    inputs, so new offsets replay the same graph; the captured function receives Megatron's class."""
+    from packgraph.graphs import capture, use_recorder
+    from packgraph.ops import varlen_attention
+    from tests.eager_recorder import EagerRecorder
+
+    seen = []
+
+    def attend(x, packed_seq_params):
+        seen.append(type(packed_seq_params))
+        return varlen_attention(x, x, x, from_megatron(packed_seq_params, validate=False))
+
+    def params(lengths):
+        return to_megatron(PackedSeqParams.from_seqlens(lengths, capacity=4, max_seqlen=12).attention_view())
+
+    x = torch.randn(12, 2, 8)
+    with use_recorder(EagerRecorder()):
+        graphed = capture(attend, (x, params([5, 7])), forward_only=True)
+    for lengths in ([5, 7], [12], [1, 2, 3, 6]):
+        seen.clear()
+        out = graphed(x, params(lengths))
+        assert seen == [megatron_cls]  # the replayed body got Megatron's class, rebuilt on the static buffers
+        assert torch.equal(out, attend(x, params(lengths)))
+    assert graphed.num_graphs == 1  # one signature: only the offsets changed

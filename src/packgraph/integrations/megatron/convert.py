@@ -1,4 +1,4 @@
-"""Megatron-Core: convert ``PackedSeqParams`` both ways, and build Megatron RL's fixed-size bin params.
+"""Convert ``PackedSeqParams`` between packgraph and Megatron-Core, and build Megatron RL's fixed-size bin params.
 
 packgraph's :class:`~packgraph.params.PackedSeqParams` uses Megatron's field names, so conversion is by name and
 carries tensors by reference (no copies, no syncs):
@@ -9,7 +9,11 @@ carries tensors by reference (no copies, no syncs):
   offsets are present).
 * :func:`to_megatron` fills every field the installed Megatron class has. packgraph fields that class lacks
   (``total_tokens`` and ``seq_idx`` on Megatron-Core 0.16) raise when set; ``attention_view()`` drops them.
-  ``host_offsets`` is a packgraph-only host cache of the offsets and is not carried.
+* ``host_offsets`` (packgraph's host copies of the offsets) have no Megatron field. :func:`to_megatron` keeps them
+  beside the Megatron object, with the tensors they describe, and :func:`from_megatron` gives them back while the
+  object still holds those very tensors. So params built on the host (the packer, ``from_seqlens``) keep their
+  sync-free validation and exact bucketing through a Megatron model's forward; a tensor reassigned on the object
+  drops them, and one written in place makes them stale (``PackedSeqParams.current_host_offsets``).
 
 :func:`megatron_rl_bin_params` reproduces Megatron RL's ``create_packed_seq_params_for_bin``
 (``megatron/rl/sequence_packing_utils.py`` in NVIDIA/Megatron-LM, the fixed-size version whose ``cu_seqlens`` has
@@ -32,6 +36,9 @@ __all__ = ["from_megatron", "megatron_packed_seq_params_class", "megatron_rl_bin
 
 _PACKGRAPH_FIELDS = tuple(f.name for f in dataclasses.fields(PackedSeqParams) if f.name != "host_offsets")
 _INT_FIELDS = ("max_seqlen_q", "max_seqlen_kv", "local_cp_size", "total_tokens")
+_MAMBA_FIELDS = ("total_tokens", "seq_idx")
+# Attribute (not a dataclass field) that to_megatron sets on a Megatron object: (host_offsets, {field: tensor}).
+_HOST_OFFSETS_ATTR = "_packgraph_host_offsets"
 
 
 def megatron_packed_seq_params_class() -> type:
@@ -76,12 +83,17 @@ def from_megatron(obj: Any, *, validate: bool = True) -> PackedSeqParams:
             raise PackedSeqParamsError(
                 f.name, "unknown to packgraph", f"value {value!r} would be lost in the conversion; clear it first"
             )
-    params = PackedSeqParams(**values)
+    params = PackedSeqParams(**values, host_offsets=_carried_host_offsets(obj))
     return params.validate() if validate else params
 
 
 def to_megatron(params: PackedSeqParams) -> Any:
-    """A Megatron ``PackedSeqParams`` with the same field values (tensors shared, nothing copied).
+    """A Megatron ``PackedSeqParams`` with the same field values (tensors shared, nothing copied, no sync).
+
+    ``total_tokens`` and ``seq_idx`` are set after construction: Megatron-Core >= 0.17 rebuilds ``seq_idx`` in
+    ``__post_init__`` whenever ``total_tokens`` is given (a ``repeat_interleave``, a host sync on CUDA), which would
+    replace the tensor these params carry. When ``total_tokens`` is set without ``seq_idx``, the Mamba layers still
+    get one: ``params.with_seq_idx()``'s, built on the device (the same values as Megatron's).
 
     Raises:
         PackedSeqParamsError: a packgraph field the installed Megatron class lacks is set (for the Mamba-only
@@ -103,7 +115,16 @@ def to_megatron(params: PackedSeqParams) -> Any:
             )
     if "pad_between_seqs" in theirs:
         kwargs["pad_between_seqs"] = params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None
-    return cls(**kwargs)
+    after_init = {name: kwargs.pop(name) for name in _MAMBA_FIELDS if kwargs.get(name) is not None}
+    if "total_tokens" in after_init and "seq_idx" not in after_init and "seq_idx" in theirs:
+        after_init["seq_idx"] = params.with_seq_idx().seq_idx
+    obj = cls(**kwargs)
+    for name, value in after_init.items():
+        object.__setattr__(obj, name, value)
+    host = params.current_host_offsets()
+    if host is not None:
+        object.__setattr__(obj, _HOST_OFFSETS_ATTR, (host, {name: getattr(params, name) for name in host}))
+    return obj
 
 
 def megatron_rl_bin_params(
@@ -189,6 +210,17 @@ def _edge_padded(lengths: Sequence[int], entries: int) -> tuple[int, ...]:
     for n in lengths:
         offsets.append(offsets[-1] + n)
     return tuple(offsets + [offsets[-1]] * (entries - len(offsets)))
+
+
+def _carried_host_offsets(obj: Any) -> Any:
+    """The host offsets :func:`to_megatron` kept beside ``obj``, while ``obj`` still holds the same tensors."""
+    carried = getattr(obj, _HOST_OFFSETS_ATTR, None)
+    if carried is None:
+        return None
+    host, tensors = carried
+    if all(getattr(obj, name, None) is t for name, t in tensors.items()):
+        return host
+    return None
 
 
 def _static_int(name: str, value: Any) -> int | None:
