@@ -193,15 +193,19 @@ def test_parameters_moved_after_capture_recapture_without_a_sync(report):
     fresh = {k: v.clone() * 1.5 for k, v in block.state_dict().items()}
     block.load_state_dict(fresh, assign=True)  # new storage: the old graph would read stale weights
     ref.load_state_dict(fresh)
-    out = graphed(_x(1), p)
-    err = (out.float() - ref(_x(1), p).float()).abs().max().item()
+    got = []
+    for fn, module in ((graphed, block), (ref, ref)):
+        module.zero_grad(set_to_none=True)
+        y = fn(_x(1), p)
+        _loss(y).backward()
+        got.append((y.detach().float(), _grads(module)))
+    err = (got[0][0] - got[1][0]).abs().max().item()
+    _same_grads(got[0][1], got[1][1])
     x = _x(2)
-    graphed(x, p)  # warm: the next call only checks the parameters, on the host
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("error")  # the per-call parameter check runs on the host: no sync
     try:
-        with torch.no_grad():
-            graphed(x, p)
+        _loss(graphed(x, p)).backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     report("exact: load_state_dict(assign=True) max |graphed - eager|", err)

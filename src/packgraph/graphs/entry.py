@@ -170,6 +170,7 @@ class Entry:
         self.trains = self.trains and bool(self._grad_targets())
         if not self.trains:
             self.nondiff = list(range(len(self.static_outputs)))
+            self._drop_raw_outputs()
         self.out_records = [
             owner.buffers.record(o, seq=self.fwd_seq, pool=self.pool, name=f"output {j} of {owner.name}")
             for j, o in enumerate(self.static_outputs)
@@ -225,6 +226,8 @@ class Entry:
         self.bwd_seq = owner.group.next_seq()
         for record, n in zip(self.out_records, before, strict=True):
             record.forget_released(n)  # the forward capture's autograd graph is gone now
+        if not retain:
+            self._drop_raw_outputs()
         it = iter(kept)
         grads = [next(it) if present else None for present in pattern]
         if shared is None:
@@ -240,6 +243,12 @@ class Entry:
             name = f"{what} of {owner.name}"
             record = owner.buffers.record(g, seq=self.bwd_seq, pool=self.pool, name=name, params=params)
             self.grad_records.append(record)
+
+    def _drop_raw_outputs(self) -> None:
+        """Once nothing will differentiate them, a later signature's raw outputs (copied into the primary's
+        buffers by its forward graph) are temporaries: their memory goes back to the pool."""
+        pairs = zip(self.raw_outputs, self.static_outputs, strict=True)
+        self.raw_outputs = [r if r is s else None for r, s in pairs]
 
     def _accumulate_into(self, shared: list[Tensor], outs: list, grad_outs: list, retain: bool) -> list:
         """The backward body of a later signature: zero the primary's parameter grads and let autograd's
@@ -388,11 +397,11 @@ class Entry:
                 # A parameter: AccumulateGrad adopts or adds it; the owner's hook tells the book what it adopted.
                 self.owner.grad_records[id(self.trainable[k - n_in])] = record
                 out.append(book.hand_out(record))
-            elif stored[k] is not None:
-                out.append(book.hand_out(record, leaf=stored[k]))  # a leaf input: the book watches its .grad
+            elif stored[k] is not None and stored[k].grad is not None:
+                out.append(book.hand_out(record))  # AccumulateGrad adds it into the leaf's .grad, then drops it
             else:
-                # Another graph's or op's input: autograd may pass it on through views into some leaf's .grad
-                # that packgraph cannot find again, so that leaf gets a copy.
+                # A leaf's first grad, or another op's input: autograd may keep it (adopted as some leaf's .grad,
+                # through views) where packgraph cannot find it again, so autograd gets a copy.
                 out.append(record.static.clone())
         return out
 
