@@ -183,3 +183,17 @@ def test_refuses_models_it_cannot_graph():
         graph_transformer_layers(megatron_graphs, batch.packed_seq_params)
     with pytest.raises(ValueError, match="no decoder.layers"):
         graph_transformer_layers(torch.nn.Linear(2, 2), batch.packed_seq_params)
+
+
+def test_the_samples_signature_serves_a_call_on_the_same_batch():
+    """The sample fixes the hidden states' rows from its total_tokens (T), so a call on that batch replays the
+    captured graph instead of capturing another."""
+    graphed, eager = _twins(lambda: _gpt())
+    batches = _packings(2, seed=5)
+    with use_recorder(EagerRecorder()):
+        handle = graph_transformer_layers(
+            graphed, batches[0].packed_seq_params, buckets=default_buckets(T), num_warmup_iters=1
+        )
+    _step(graphed, batches[0])
+    assert [g.captures for g in handle.graphed] == [1] * len(handle.graphed)
+    assert handle.num_signatures == 1

@@ -494,8 +494,11 @@ def gpu_busy_ms(fn: Callable[[int], None], steps: int = 1, top: int = 12) -> Ker
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    # One profiling cycle, read after it ends: acc_events keeps its events for that read (torch >= 2.10 warns,
+    # at the read, that a cycle's events are cleared otherwise).
+    options = {"acc_events": True} if "acc_events" in inspect.signature(profile.__init__).parameters else {}
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA], **options) as prof:
         for i in range(steps):
             fn(i)
         torch.cuda.synchronize()

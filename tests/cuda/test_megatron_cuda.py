@@ -102,7 +102,7 @@ def _stock_rope_model(example, cfg):
     spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
     config = example.megatron_config(cfg)
     model = GPTModel(config, spec, vocab_size=VOCAB_SIZE, max_sequence_length=cfg.T, position_embedding_type="rope")
-    return model.cuda()
+    return model.to(device="cuda", dtype=cfg.dtype)  # as build_model: every parameter in the run's dtype
 
 
 def test_capture_with_megatrons_own_thd_rope_names_its_line(example, report):

@@ -176,8 +176,9 @@ def graph_transformer_layers(
     targets = _targets(layers, scope)
     if not targets:
         raise ValueError(f"graph_transformer_layers: {type(model).__name__} has no TransformerLayer to graph")
-    params = _sample_params(sample_packed_seq_params)
-    stream_rows = _rows(params, total_tokens)
+    full = _sample_params(sample_packed_seq_params)
+    stream_rows = _rows(full, total_tokens)  # before attention_view(), which drops total_tokens
+    params = full.attention_view()
     boundary = _Boundary(stream_rows, _sequence_shards(model))
     rows = boundary.hidden_rows
     adapters = [_GraphedCall(target, scope) for target in targets]
@@ -344,7 +345,7 @@ def _sample_params(sample: Any) -> PackedSeqParams:
     params = sample if isinstance(sample, PackedSeqParams) else from_megatron(sample)
     if params.qkv_format != "thd":
         raise PackedSeqParamsError("qkv_format", "graph_transformer_layers needs a 'thd' sample")
-    return params.attention_view()
+    return params
 
 
 def _rows(params: PackedSeqParams, total_tokens: int | None) -> int:
