@@ -374,3 +374,13 @@ def test_context_parallel_params_are_refused_not_attended_locally():
         varlen_attention(q, q, q, params)
     assert e.value.field == "local_cp_size" and "cp_varlen_attention" in str(e.value)
     varlen_attention(q, q, q, params.replace(local_cp_size=1))  # a CP group of one is plain attention
+
+
+def test_reference_attention_under_cpu_bf16_autocast_matches_float32():
+    """Under ``torch.autocast("cpu", bfloat16)`` (a bf16 Trainer on the CPU) the reference still computes in
+    float32, as FlashAttention does inside, instead of failing on a bf16 einsum."""
+    p = PackedSeqParams.from_seqlens([5, 7], capacity=4, total_tokens=16)
+    q = torch.randn(16, 2, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = varlen_attention(q, q, q, p)
+    torch.testing.assert_close(got, varlen_attention(q, q, q, p), rtol=0, atol=0)

@@ -162,13 +162,16 @@ def _reference_attention(
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    qf = q.to(compute).reshape(tq, hkv, hq // hkv, d)
-    scores = torch.einsum("qhgd,khd->hgqk", qf, k.to(compute)) * scale
-    # A finite fill, not -inf: rows with no visible key (dead rows) get a uniform softmax that the second
-    # fill zeroes, so neither the output nor the gradient ever sees a NaN.
-    scores = scores.masked_fill(~mask, torch.finfo(compute).min)
-    probs = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)
-    out = torch.einsum("hgqk,khd->qhgd", probs, v.to(compute))
+    # Autocast off: the reference computes in ``compute`` as FlashAttention does inside (an autocast einsum would
+    # run in bf16, and the fill below would not even fit).
+    with torch.autocast(q.device.type, enabled=False):
+        qf = q.to(compute).reshape(tq, hkv, hq // hkv, d)
+        scores = torch.einsum("qhgd,khd->hgqk", qf, k.to(compute)) * scale
+        # A finite fill, not -inf: rows with no visible key (dead rows) get a uniform softmax that the second
+        # fill zeroes, so neither the output nor the gradient ever sees a NaN.
+        scores = scores.masked_fill(~mask, torch.finfo(compute).min)
+        probs = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)
+        out = torch.einsum("hgqk,khd->qhgd", probs, v.to(compute))
     return out.reshape(tq, hq, d).to(q.dtype)
 
 
