@@ -403,6 +403,10 @@ def capture(
 ) -> GraphedCallable:
     """Capture ``fn_or_module`` into CUDA graphs (forward, and backward unless ``forward_only``).
 
+    Autograd-exact: outputs, grads and when ``.grad`` changes are eager's (``autograd.grad``, ``backward(inputs=)``,
+    frozen parameters, hooks, micro-batches), and tensors handed out stay valid. Refused with an error: double
+    backward, a forward while its graph's backward is pending. Python side effects run at capture only.
+
     Args:
         fn_or_module: an ``nn.Module`` (its parameters are trained), a bound method of one, or a function.
         sample_args / sample_kwargs: a representative call (a lone tensor may stand for a 1-tuple). Their static
