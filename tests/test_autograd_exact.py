@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from packgraph.buckets import default_buckets
-from packgraph.graphs import GraphOrderError, use_recorder
+from packgraph.graphs import GraphOrderError
 from packgraph.graphs.capture import capture_layers_with, capture_with
 from packgraph.models.gpt import Block, GPTConfig
 from packgraph.ops import varlen_attention
@@ -187,6 +187,30 @@ def test_a_bucketed_cache_holds_every_bucket():
     assert graphed.evictions == 0 and graphed.num_graphs == graphed.captures <= policy.num_buckets
 
 
+def test_a_bucketed_cache_holds_the_whole_default_ladder_at_t2048():
+    """default_buckets(2048) has 15 buckets, more than the 8 graphs an unbucketed cache keeps: cycling through all
+    of them three times captures each once and evicts none."""
+    policy = default_buckets(2048)
+    graphed = capture_with(
+        EagerRecorder(), lambda x, params: x * 2, (torch.zeros(4), _params_t([5], 2048)), buckets=policy
+    )
+    # one batch per (max_seqlen rung, capacity rung): n documents, the longest as close to the rung as T allows
+    reachable = [
+        [min(s, 2048 - (c - 1))] + [1] * (c - 1) for s in policy.max_seqlen_ladder for c in policy.capacity_ladder
+    ]
+    for _ in range(3):
+        for lengths in reachable:
+            graphed(torch.zeros(4), _params_t(lengths, 2048))
+    assert graphed.evictions == 0
+    assert graphed.captures == len(
+        {policy.bucket_for(max(ls), len(ls)) for ls in reachable} | {policy.bucket_for(5, 1)}
+    )
+
+
+def _params_t(lengths, total):
+    return PackedSeqParams.from_seqlens(lengths, capacity=len(lengths), total_tokens=total, max_seqlen=max(lengths))
+
+
 # ------------------------------------------------------------------------------------------------ create_graph
 def test_double_backward_is_refused_with_a_clear_error():
     block = _block()
@@ -333,6 +357,7 @@ def test_use_recorder_drives_capture_without_cuda():
     block = _block()
     p = _params([10, 20])
     import packgraph
+    from packgraph.graphs import use_recorder
 
     with use_recorder(EagerRecorder()):
         graphed = packgraph.capture(block, (_x(0), p))
