@@ -636,9 +636,13 @@ def test_without_cuda_capture_raises(monkeypatch):
         graphs.capture_layers([nn.Linear(2, 2)], (torch.randn(3, 2),))
 
 
-def test_host_overhead_per_replayed_layer():
-    """Engine host work per layer call (forward + backward) with graph replays made free. Printed; the bound is
-    loose (shared 2-core CI machine) but catches a per-call signature rebuild or per-parameter loop creeping in."""
+def test_host_work_per_replayed_layer_is_bounded():
+    """Engine host work per layer call (forward + backward) with graph replays made free, counted as Python-level
+    calls (deterministic, unlike a timing on a shared CI machine): catches a per-call signature rebuild or a loop
+    over the whole model creeping into the replay path. The per-parameter work (one autograd edge, one storage
+    check and one grad hook per parameter) is part of the count."""
+    import sys
+
     torch.manual_seed(0)
     cfg = GPTConfig(d_model=D, n_head=4, n_layer=12, vocab_size=50)
     layers = [Block(cfg) for _ in range(12)]
@@ -652,16 +656,26 @@ def test_host_overhead_per_replayed_layer():
             h = g(h, p)
         h.sum().backward()
 
-    for _ in range(5):
+    for _ in range(3):
         step()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(10):
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        for _ in range(4):
             step()
-        best = min(best, (time.perf_counter() - t0) / 10 / 12)
-    print(f"\nengine host time per replayed layer (fwd + bwd): {best * 1e6:.1f} us")
-    assert best < 200e-6
+    finally:
+        sys.setprofile(None)
+    per_layer = calls / 4 / 12
+    t0 = time.perf_counter()
+    step()
+    us = (time.perf_counter() - t0) / 12 * 1e6
+    print(f"\nengine host work per replayed layer: {per_layer:.0f} Python calls, {us:.0f} us")
+    assert per_layer < 340
 
 
 def test_varlen_attention_is_what_the_graph_sees():
