@@ -125,7 +125,8 @@ class GraphedCallable:
         self._chain_of = None if registry is None else (lambda t: registry.lookup(t, self.uid))
         self._device_type = group.recorder.device_type
         self.grad_records: dict[int, Any] = {}  # id(param) -> the Handout of the grad last returned for it
-        self._hooks: list[Any] = []
+        self._hooks: list[Any] = []  # refilled by each _scan_slots; removed with this callable
+        weakref.finalize(self, _remove_hooks, self._hooks)
         self._scan_slots()
 
     # ---------------------------------------------------------------- parameters
@@ -143,15 +144,12 @@ class GraphedCallable:
                         params.append(t)
         self._slots = slots
         self.params = params
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        _remove_hooks(self._hooks)
         if not self.forward_only:
             # AccumulateGrad adopts a first grad as a tensor of its own; the hook tells the book which one, so a
             # .grad kept after zero_grad (a list of grads, say) is moved off graph memory, not overwritten.
             me = weakref.ref(self)
-            self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_adopted, me)) for p in params]
-            weakref.finalize(self, _remove_hooks, self._hooks)
+            self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(_adopted, me)) for p in params]
 
     def _frozen(self) -> tuple[int, ...]:
         """Indices of the parameters that do not require grad now (part of the signature). Also checks, on the
@@ -276,6 +274,7 @@ def _adopted(owner: weakref.ref, param: Tensor) -> None:
 def _remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
+    handles.clear()
 
 
 DEFAULT_MAX_GRAPHS = 8

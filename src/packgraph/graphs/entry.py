@@ -387,12 +387,12 @@ class Entry:
         self.bwd_graph.replay()
         book = self.owner.group.handouts
         n_in = len(self.grad_positions)
-        static = [*self.static_grad_inputs, *(None,) * (len(self.grad_records) - n_in)]
         out: list[Tensor | None] = []
         for k, record in enumerate(self.grad_records):
             if record is None:
                 # Chained: the producer graph reads it in place; or no grad.
-                out.append(static[k].detach() if k < n_in and static[k] is not None else None)
+                chained = self.static_grad_inputs[k] if k < n_in else None
+                out.append(chained.detach() if chained is not None else None)
             elif k >= n_in:
                 # A parameter: AccumulateGrad adopts or adds it; the owner's hook tells the book what it adopted.
                 self.owner.grad_records[id(self.trainable[k - n_in])] = record
@@ -476,8 +476,8 @@ class Replay(torch.autograd.Function):
         ctx.entry = entry
         ctx.set_materialize_grads(False)
         n_in = len(entry.grad_positions)
-        # Leaves whose .grad may adopt a handed-out input grad (weakly: the caller owns them).
-        ctx.stored = [t if t.is_leaf else None for t in grad_tensors[:n_in]] + [None] * (len(grad_tensors) - n_in)
+        # The leaf inputs: at backward, one that has a .grad by then adds the handed-out grad into it (no copy).
+        ctx.stored = [t if t.is_leaf else None for t in grad_tensors[:n_in]]
         outs = tuple(entry.hand_out_outputs())
         if entry.nondiff:
             ctx.mark_non_differentiable(*[outs[j] for j in entry.nondiff])

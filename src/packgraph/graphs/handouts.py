@@ -8,7 +8,8 @@ it; a later replay would not. The :class:`HandoutBook` closes that gap. Before a
 storage, every tensor still holding it is moved, in place and with its data, to memory of its own:
 
 * the tensors the engine created (outputs, grads returned to autograd), by weak reference;
-* ``.grad`` of the parameters and leaf inputs the grads were returned for (``AccumulateGrad`` adopts a new alias);
+* ``.grad`` of the parameters the grads were returned for, and the tensor ``AccumulateGrad`` adopted as a first
+  ``.grad`` (a post-accumulate-grad hook reports it), kept by the caller after ``zero_grad`` or not;
 
 with ``Tensor.set_`` under a preserved version counter, so object identity, values and saved-tensor checks are
 those eager would see. A storage still referenced after that (a view the caller made, ``t.detach()`` kept in a
@@ -57,17 +58,12 @@ class Handout:
         "pool",
         "name",
         "params",
-        "leaves",
         "aliases",
         "cdata",
         "ptr",
         "baseline",
         "out",
     )
-
-    def refs(self) -> int:
-        """How many tensors (the engine's and everybody else's) reference the storage now."""
-        return _storage_refs(self.cdata)
 
     def __init__(
         self, static: Tensor, *, seq: int, owner: int, pool: Any, name: str, params: tuple[Tensor, ...] = ()
@@ -78,13 +74,16 @@ class Handout:
         self.pool = pool
         self.name = name
         self.params = params
-        self.leaves: list[weakref.ref] = []
         self.aliases: list[weakref.ref] = []
         storage = static.untyped_storage()
         self.cdata = storage._cdata
         self.ptr = static.data_ptr()
         self.baseline = _storage_refs(self.cdata)  # the engine's own references, measured before any handout
         self.out = False
+
+    def refs(self) -> int:
+        """How many tensors (the engine's and everybody else's) reference the storage now."""
+        return _storage_refs(self.cdata)
 
     def forget_released(self, before: int) -> None:
         """The engine dropped references of its own since ``before`` was read (the autograd graph a capture kept
@@ -113,8 +112,7 @@ class Handout:
             return
         ptr = self.ptr
         holders: list[Tensor] = [a for a in (ref() for ref in self.aliases) if a is not None]
-        grads = [p.grad for p in self.params] + [leaf.grad for leaf in (r() for r in self.leaves) if leaf is not None]
-        holders += [g for g in grads if g is not None and g.data_ptr() == ptr]
+        holders += [p.grad for p in self.params if p.grad is not None and p.grad.data_ptr() == ptr]
         moved: set[int] = set()
         with torch.no_grad():
             for t in holders:
@@ -124,7 +122,6 @@ class Handout:
                 with preserve_version(t):
                     t.set_(t.clone(memory_format=torch.preserve_format))
         self.aliases.clear()
-        self.leaves.clear()
         if _storage_refs(self.cdata) > self.baseline:
             raise GraphOrderError(
                 f"the {self.name} handed out by an earlier call is still referenced by a tensor packgraph cannot "
@@ -145,10 +142,8 @@ class HandoutBook:
         self._by_owner: dict[int, dict[Handout, None]] = {}
         self._newest = 0  # an upper bound of the seq of every record out
 
-    def hand_out(self, record: Handout, *, leaf: Tensor | None = None) -> Tensor:
-        """A view of ``record``'s storage to return to the caller (``leaf``: whose ``.grad`` may adopt it)."""
-        if leaf is not None:
-            record.leaves.append(weakref.ref(leaf))
+    def hand_out(self, record: Handout) -> Tensor:
+        """A view of ``record``'s storage to return to the caller."""
         if not record.out:
             record.out = True
             self._by_owner.setdefault(record.owner, {})[record] = None
@@ -181,6 +176,3 @@ class HandoutBook:
         """Drop the records of a callable whose graphs are released (no replay writes their storages again)."""
         for record in self._by_owner.pop(owner, {}):
             record.out = False
-
-    def __len__(self) -> int:
-        return sum(map(len, self._by_owner.values()))
