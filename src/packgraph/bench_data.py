@@ -132,9 +132,7 @@ def batch_stream(
     return stream
 
 
-def _bucket_tour(
-    T: int, n: int, policy: BucketPolicy, *, seed: int, max_corpus_docs: int | None
-) -> list[PackedBatch]:
+def _bucket_tour(T: int, n: int, policy: BucketPolicy, *, seed: int, max_corpus_docs: int | None) -> list[PackedBatch]:
     """``n`` batches that visit every bucket a batch of ``T`` rows can reach: bucket ``(S, C)`` gets a longest
     document just over the rung below ``S`` and one more document than the rung below ``C`` (the rest 1 token)."""
     seqlens, caps = (0, *policy.max_seqlen_ladder), (0, *policy.capacity_ladder)
