@@ -7,6 +7,7 @@ out by hand.
 """
 
 import copy
+import warnings
 from itertools import pairwise
 
 import pytest
@@ -182,7 +183,7 @@ def test_graph_decoder_layers_needs_cuda(llama_pair):
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
 
 
-@pytest.mark.parametrize("scope", ["layer", "attention", "mlp"])
+@pytest.mark.parametrize("scope", ["layer", "attn", "mlp"])
 def test_graph_plumbing_matches_eager(scope):
     """The patched forwards (split into graph inputs, call, restore HF's structure) change nothing: with an
     identity 'capture' that returns the adapters themselves, logits and grads equal the unpatched model's."""
@@ -230,7 +231,7 @@ def _same_signature_batches():
     ]
 
 
-@pytest.mark.parametrize("scope", ["layer", "attention", "mlp"])
+@pytest.mark.parametrize("scope", ["layer", "attn", "mlp"])
 def test_graph_decoder_layers_through_the_engine_on_a_cpu_stand_in(scope):
     config = _configs()["llama"]
     model = _model(config, "packgraph").train()
@@ -260,6 +261,36 @@ def test_graph_decoder_layers_through_the_engine_on_a_cpu_stand_in(scope):
     assert [g.captures for g in handle.graphed] == [1] * config.num_hidden_layers
     handle.remove()
     assert not any("forward" in t.__dict__ for t in handle.targets)
+
+
+def _scope_warnings(caught):
+    return [w for w in caught if issubclass(w.category, FutureWarning) and "scope=" in str(w.message)]
+
+
+def test_attention_scope_is_a_deprecated_alias_of_attn():
+    """scope="attention" (the old name) still graphs each layer's self_attn, with one FutureWarning that names
+    "attn" and points at the caller; "attn" itself warns nothing."""
+    config = _configs()["llama"]
+    model = _model(config, "packgraph").train()
+    ref = _model(config, "packgraph", model.state_dict()).train()
+    batch = _same_signature_batches()[0]
+    with use_recorder(EagerRecorder()), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = hf.graph_decoder_layers(model, batch, scope="attention")
+        out = hf.packed_forward(model, batch, compute_loss=True)
+    (warning,) = _scope_warnings(caught)
+    assert "'attn'" in str(warning.message) and warning.filename == __file__
+    assert handle.scope == "attn"
+    assert all(t is layer.self_attn for t, layer in zip(handle.targets, model.model.layers, strict=True))
+    expected = hf.packed_forward(ref, batch, compute_loss=True)
+    torch.testing.assert_close(out.logits, expected.logits, atol=1e-6, rtol=1e-6)
+    handle.remove()
+    with use_recorder(EagerRecorder()), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf.graph_decoder_layers(model, batch, scope="attn").remove()
+    assert _scope_warnings(caught) == []
+    with pytest.raises(ValueError, match="scope must be one of"):
+        hf.graph_decoder_layers(model, batch, scope="self_attn")
 
 
 def _replays(graphed):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ from packgraph.params import PackedSeqParams, PackedSeqParamsError
 
 __all__ = [
     "ATTENTION_NAME",
+    "SCOPES",
     "GraphedDecoderLayers",
     "from_flattening_batch",
     "graph_decoder_layers",
@@ -61,7 +63,11 @@ ATTENTION_NAME = "packgraph"
 """The ``attn_implementation`` name this module registers."""
 
 _HF_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-_SCOPES = ("layer", "attention", "mlp")
+SCOPES: tuple[str, ...] = ("layer", "attn", "mlp")
+"""What :func:`graph_decoder_layers` can capture: whole decoder layers, only their ``self_attn``, or only their
+``mlp``; the names :meth:`packgraph.models.GPT.graphed` and Megatron's ``graph_transformer_layers`` use."""
+# Deprecated spellings still accepted, with a FutureWarning naming the current one.
+_SCOPE_ALIASES = {"attention": "attn"}
 # Kwargs a decoder layer receives that do not change its output on a packed batch without a cache: they are
 # dropped at a graphed layer's boundary (position_ids only feeds rotary tables the model already computed).
 _IGNORED_LAYER_KWARGS = frozenset(
@@ -328,8 +334,9 @@ def graph_decoder_layers(
         model: e.g. ``LlamaForCausalLM``; its decoder is ``model.model`` (or ``model`` itself) with ``.layers``
             and ``.rotary_emb``.
         sample_batch: a fixed-shape ``PackedBatch`` (same ``T`` as the batches to come) used for capture.
-        scope: ``"layer"`` (whole decoder layers), ``"attention"`` (``layer.self_attn`` only) or ``"mlp"``
-            (``layer.mlp`` only; its only input is the hidden states).
+        scope: ``"layer"`` (whole decoder layers), ``"attn"`` (``layer.self_attn`` only) or ``"mlp"``
+            (``layer.mlp`` only; its only input is the hidden states). ``"attention"`` is a deprecated alias of
+            ``"attn"`` (it warns with a ``FutureWarning``).
         buckets: a ``BucketPolicy`` for the capture cache (static metadata per bucket).
         forward_only: no-grad graphs for scoring and eval (call the model under ``torch.no_grad()``).
         capture_opts: passed to ``capture_layers`` (``num_warmup_iters``, ``on_mismatch``, ``max_graphs``, ...).
@@ -345,6 +352,8 @@ def graph_decoder_layers(
             device the graphs are captured on.
     """
     from packgraph.graphs import capture_layers
+
+    scope = _resolve_scope(scope)
 
     def make_graphed(adapters: list[_LayerCall], sample_args: tuple) -> list[Callable[..., Tensor]]:
         # Whole layers feed each other directly (chained: no copies between graphs); with a partial scope an eager
@@ -366,8 +375,7 @@ def _install(
     make_graphed: Callable[[list[_LayerCall], tuple], Sequence[Callable[..., Tensor]]],
 ) -> GraphedDecoderLayers:
     """Build adapters and sample inputs, let ``make_graphed`` capture them, and patch the targets' forwards."""
-    if scope not in _SCOPES:
-        raise ValueError(f"scope must be one of {_SCOPES}, got {scope!r}")
+    scope = _resolve_scope(scope)
     attn_impl = getattr(model.config, "_attn_implementation", None)
     if attn_impl != ATTENTION_NAME:
         raise ValueError(
@@ -379,8 +387,7 @@ def _install(
     if any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
         raise RuntimeError("gradient checkpointing recomputes layers outside the graph: disable it to graph layers")
     targets = [
-        {"layer": layer, "attention": _child(layer, "self_attn"), "mlp": _child(layer, "mlp")}[scope]
-        for layer in layers
+        {"layer": layer, "attn": _child(layer, "self_attn"), "mlp": _child(layer, "mlp")}[scope] for layer in layers
     ]
     for target in targets:
         if "forward" in target.__dict__:
@@ -395,6 +402,25 @@ def _install(
     for target, adapter, fn in zip(targets, adapters, graphed, strict=True):
         target.forward = _graphed_forward(adapter, fn)
     return GraphedDecoderLayers(targets=targets, adapters=adapters, graphed=graphed, scope=scope)
+
+
+def _resolve_scope(scope: str, *, stacklevel: int = 3) -> str:
+    """``scope`` as one of :data:`SCOPES`: a deprecated alias warns (one ``FutureWarning``) and is translated.
+
+    Raises:
+        ValueError: neither a scope nor an alias.
+    """
+    if scope in _SCOPE_ALIASES:
+        current = _SCOPE_ALIASES[scope]
+        warnings.warn(
+            f"scope={scope!r} is deprecated and will be removed: use scope={current!r}",
+            FutureWarning,
+            stacklevel=stacklevel,
+        )
+        return current
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    return scope
 
 
 def _graphed_forward(adapter: _LayerCall, graphed: Callable[..., Tensor]) -> Callable[..., Any]:
@@ -436,7 +462,7 @@ def _graphed_forward(adapter: _LayerCall, graphed: Callable[..., Tensor]) -> Cal
         # reads its flag, which must follow the target's.
         adapter.training = adapter.target.training
         out = graphed(hidden_states, cos, sin, params, **static)
-        if scope == "attention":
+        if scope == "attn":
             return out, None
         return (out,) if adapter.returns_tuple else out
 
