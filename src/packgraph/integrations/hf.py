@@ -157,15 +157,9 @@ def packgraph_attention(
 def _attention_dtype(q: Tensor) -> torch.dtype | None:
     """The autocast dtype of ``q``'s device when autocast is on there, else None."""
     device_type = q.device.type
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch without the device argument
-        enabled = torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
-    if not enabled:
+    if not torch.is_autocast_enabled(device_type):
         return None
-    if hasattr(torch, "get_autocast_dtype"):
-        return torch.get_autocast_dtype(device_type)
-    return torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
+    return torch.get_autocast_dtype(device_type)
 
 
 def packed_params_from_kwargs(kwargs: Mapping[str, Any]) -> PackedSeqParams:
