@@ -126,7 +126,7 @@ def test_graphed_forward_only_scoring_equals_eager(report):
     assert diff <= REL_TOL
 
 
-@pytest.mark.parametrize("scope", ["attention", "mlp"])
+@pytest.mark.parametrize("scope", ["attn", "mlp"])
 def test_partial_scopes_equal_eager(scope, report):
     eager = _llama().train()
     graphed = copy.deepcopy(eager)

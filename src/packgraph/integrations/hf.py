@@ -12,28 +12,23 @@ Three pieces, usable alone:
   ``model(...)`` through every decoder layer to the attention function, so metadata given to the model arrives here;
   for a custom attention name it builds no mask, hence never runs its ``position_ids`` packing detection (which
   reads device values).
-* **Batches.** :func:`from_flattening_batch` turns a ``transformers.DataCollatorWithFlattening`` output into a
-  fixed-shape :class:`~packgraph.packing.PackedBatch`; :func:`to_flattening_batch` goes back. Both are host work on
-  CPU tensors (the collator's output), before anything reaches the GPU.
+* **Batches.** :func:`from_flattening_batch` and :func:`to_flattening_batch` convert between a
+  ``transformers.DataCollatorWithFlattening`` output and a fixed-shape :class:`~packgraph.packing.PackedBatch`
+  (defined in :mod:`packgraph.integrations.hf_batches`, which also states the label convention, and re-exported
+  here); :func:`packed_forward` runs the model on a ``PackedBatch``.
 * **Graphs.** :func:`graph_decoder_layers` captures each decoder layer (or its attention or MLP) of an HF causal
   LM with :func:`packgraph.capture_layers`; embeddings, rotary tables, final norm, head and loss stay eager.
 
 ``transformers.Trainer`` (and TRL's ``SFTTrainer``) users get all three through
 :mod:`packgraph.integrations.hf_trainer`.
-
-Label convention. HF's collator keeps labels *aligned with the inputs*: ``labels[i]`` is token ``i`` itself (or
--100), the first token of every document is -100, and the model shifts by one inside its loss. packgraph's
-``PackedBatch.labels`` are *already shifted*: ``labels[i]`` is the target predicted at row ``i`` (the next token of
-the same document), -100 on each document's last row and on rows outside every document. The conversions below
-shift accordingly, so the same tokens are scored either way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from itertools import pairwise
 from typing import Any
 
 import torch
@@ -45,12 +40,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError("packgraph.integrations.hf needs Hugging Face transformers: pip install 'packgraph[hf]'") from exc
 
 from packgraph.buckets import BucketPolicy
+from packgraph.integrations.hf_batches import from_flattening_batch, to_flattening_batch
 from packgraph.ops import varlen_attention
-from packgraph.packing import IGNORE_INDEX, PackedBatch
+from packgraph.packing import PackedBatch
 from packgraph.params import PackedSeqParams, PackedSeqParamsError
 
 __all__ = [
     "ATTENTION_NAME",
+    "SCOPES",
     "GraphedDecoderLayers",
     "from_flattening_batch",
     "graph_decoder_layers",
@@ -66,7 +63,11 @@ ATTENTION_NAME = "packgraph"
 """The ``attn_implementation`` name this module registers."""
 
 _HF_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-_SCOPES = ("layer", "attention", "mlp")
+SCOPES: tuple[str, ...] = ("layer", "attn", "mlp")
+"""What :func:`graph_decoder_layers` can capture: whole decoder layers, only their ``self_attn``, or only their
+``mlp``; the names :meth:`packgraph.models.GPT.graphed` and Megatron's ``graph_transformer_layers`` use."""
+# Deprecated spellings still accepted, with a FutureWarning naming the current one.
+_SCOPE_ALIASES = {"attention": "attn"}
 # Kwargs a decoder layer receives that do not change its output on a packed batch without a cache: they are
 # dropped at a graphed layer's boundary (position_ids only feeds rotary tables the model already computed).
 _IGNORED_LAYER_KWARGS = frozenset(
@@ -156,15 +157,9 @@ def packgraph_attention(
 def _attention_dtype(q: Tensor) -> torch.dtype | None:
     """The autocast dtype of ``q``'s device when autocast is on there, else None."""
     device_type = q.device.type
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch without the device argument
-        enabled = torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
-    if not enabled:
+    if not torch.is_autocast_enabled(device_type):
         return None
-    if hasattr(torch, "get_autocast_dtype"):
-        return torch.get_autocast_dtype(device_type)
-    return torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
+    return torch.get_autocast_dtype(device_type)
 
 
 def packed_params_from_kwargs(kwargs: Mapping[str, Any]) -> PackedSeqParams:
@@ -210,128 +205,6 @@ register_packgraph_attention()
 
 
 # ---------------------------------------------------------------------------------------------------- batches
-def from_flattening_batch(
-    batch: Mapping[str, Any],
-    *,
-    buckets: BucketPolicy | None = None,
-    total_tokens: int | None = None,
-    capacity: int | None = None,
-    max_seqlen: int | None = None,
-    pad_token_id: int = 0,
-) -> PackedBatch:
-    """A ``DataCollatorWithFlattening`` output as a fixed-shape ``PackedBatch`` (host work, CPU tensors).
-
-    Args:
-        batch: ``input_ids [1, N]`` and optionally ``labels [1, N]`` (HF convention: aligned with the inputs,
-            -100 at each document start), ``position_ids [1, N]``, ``cu_seq_lens_q``, ``seq_idx``. Document
-            boundaries come from ``cu_seq_lens_q``, else ``seq_idx``, else ``position_ids`` (a document starts
-            wherever the position does not continue the previous one, as transformers detects packing), else the
-            whole stream is one document.
-        buckets: a ``BucketPolicy``: the params take its smallest bucket that fits (static ``max_seqlen`` and
-            capacity), so batches share few graph signatures.
-        total_tokens: the stream size ``T`` to pad to (static; default ``N``). Rows ``N..T-1`` belong to no
-            document: token ``pad_token_id``, position 0, label -100.
-        capacity, max_seqlen: static values when no ``buckets`` are given (default: the document count and the
-            longest document).
-
-    Returns:
-        ``PackedBatch`` with ``tokens``, ``labels`` (shifted next-token targets, see the module docstring),
-        ``loss_mask`` (``labels != -100``), ``position_ids``, all ``[T]``, and ``packed_seq_params`` on the CPU
-        with host offsets (validation needs no sync). Move it with ``.to(device)``.
-
-    Raises:
-        ValueError: tensors not on the CPU, inconsistent lengths, ``N > total_tokens``.
-    """
-    input_ids = _host_row(batch["input_ids"], "input_ids")
-    n = input_ids.numel()
-    lengths = _document_lengths(batch, n)
-    t = n if total_tokens is None else int(total_tokens)
-    if t < n:
-        raise ValueError(f"the batch has {n} tokens, more than total_tokens={t}: raise total_tokens or split it")
-    starts = _starts(lengths)
-    tokens = torch.full((t,), pad_token_id, dtype=torch.int64)
-    tokens[:n] = input_ids
-    if batch.get("labels") is not None:
-        hf_labels = _host_row(batch["labels"], "labels", n)
-    else:
-        hf_labels = input_ids.clone()
-    labels = torch.full((t,), IGNORE_INDEX, dtype=torch.int64)
-    # HF scores token i+1 from row i (its loss shifts); packgraph stores that target at row i.
-    labels[: max(n - 1, 0)] = hf_labels[1:n]
-    # A document's last row has no next token inside it, whatever the collator's separator_id was.
-    ends = [s + ln - 1 for s, ln in zip(starts, lengths, strict=True) if ln > 0]
-    labels[ends] = IGNORE_INDEX
-    position_ids = torch.zeros(t, dtype=torch.int64)
-    if batch.get("position_ids") is not None:
-        position_ids[:n] = _host_row(batch["position_ids"], "position_ids", n)
-    else:
-        position_ids[:n] = torch.cat([torch.arange(ln, dtype=torch.int64) for ln in lengths])
-    if buckets is not None:
-        params = PackedSeqParams.from_seqlens(lengths, total_tokens=t)
-        params = buckets.apply(params)
-    else:
-        params = PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=t, max_seqlen=max_seqlen)
-    loss_mask = (labels != IGNORE_INDEX).to(torch.float32)
-    # PackedBatch reads its target count from doc_lengths, assuming every next token is a target: only true when
-    # the collator's labels masked nothing inside documents (e.g. no prompt masking).
-    unmasked = int(loss_mask.sum()) == sum(max(ln - 1, 0) for ln in lengths)
-    return PackedBatch(
-        tokens=tokens,
-        labels=labels,
-        loss_mask=loss_mask,
-        position_ids=position_ids,
-        packed_seq_params=params,
-        doc_lengths=tuple(lengths) if unmasked else None,
-    )
-
-
-def to_flattening_batch(
-    packed_batch: PackedBatch,
-    *,
-    return_flash_attn_kwargs: bool = True,
-    return_seq_idx: bool = False,
-) -> dict[str, Any]:
-    """A ``PackedBatch`` as ``DataCollatorWithFlattening`` would have produced it (the reverse conversion).
-
-    Keeps only document rows (tail and padding rows are dropped), in document order. Offsets are read from the
-    params' host offsets when known; otherwise they are copied to the host (one sync for device params).
-
-    Returns:
-        ``input_ids``, ``labels`` (HF convention: aligned with inputs, -100 at each document start),
-        ``position_ids`` (restarting at 0), all int64 ``[1, N]``; with ``return_flash_attn_kwargs`` also int32
-        ``cu_seq_lens_q``/``cu_seq_lens_k`` (real documents only) and int ``max_length_q``/``max_length_k`` (the
-        true longest document); with ``return_seq_idx`` an int32 ``seq_idx [1, N]``. Tensors stay on the batch's
-        device.
-    """
-    params = packed_batch.packed_seq_params
-    real = _host_offsets(params, "cu_seqlens_q")
-    layout = _host_offsets(params, "cu_seqlens_q_padded") if params.cu_seqlens_q_padded is not None else real
-    lengths = [b - a for a, b in pairwise(real)]
-    docs = [(s, ln) for s, ln in zip(layout, lengths, strict=False) if ln > 0]  # ghost slots hold no document
-    device = packed_batch.tokens.device
-    rows = _cat([torch.arange(s, s + ln, dtype=torch.int64) for s, ln in docs]).to(device)
-    input_ids = packed_batch.tokens[rows].to(torch.int64)
-    shifted = packed_batch.labels[rows].to(torch.int64)
-    labels = torch.full_like(shifted, IGNORE_INDEX)
-    labels[1:] = shifted[:-1]
-    doc_starts = _starts([ln for _, ln in docs])
-    labels[doc_starts] = IGNORE_INDEX
-    position_ids = _cat([torch.arange(ln, dtype=torch.int64) for _, ln in docs])
-    out: dict[str, Any] = {
-        "input_ids": input_ids.view(1, -1),
-        "labels": labels.view(1, -1),
-        "position_ids": position_ids.to(device).view(1, -1),
-    }
-    if return_flash_attn_kwargs:
-        cu = torch.tensor([0, *_cumsum([ln for _, ln in docs])], dtype=torch.int32, device=device)
-        longest = max((ln for _, ln in docs), default=0)
-        out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-    if return_seq_idx:
-        seq_idx = _cat([torch.full((ln,), i, dtype=torch.int32) for i, (_, ln) in enumerate(docs)], torch.int32)
-        out["seq_idx"] = seq_idx.to(device).view(1, -1)
-    return out
-
-
 def packed_forward(
     model: nn.Module, packed_batch: PackedBatch, *, compute_loss: bool = False, **model_kwargs: Any
 ) -> Any:
@@ -455,8 +328,9 @@ def graph_decoder_layers(
         model: e.g. ``LlamaForCausalLM``; its decoder is ``model.model`` (or ``model`` itself) with ``.layers``
             and ``.rotary_emb``.
         sample_batch: a fixed-shape ``PackedBatch`` (same ``T`` as the batches to come) used for capture.
-        scope: ``"layer"`` (whole decoder layers), ``"attention"`` (``layer.self_attn`` only) or ``"mlp"``
-            (``layer.mlp`` only; its only input is the hidden states).
+        scope: ``"layer"`` (whole decoder layers), ``"attn"`` (``layer.self_attn`` only) or ``"mlp"``
+            (``layer.mlp`` only; its only input is the hidden states). ``"attention"`` is a deprecated alias of
+            ``"attn"`` (it warns with a ``FutureWarning``).
         buckets: a ``BucketPolicy`` for the capture cache (static metadata per bucket).
         forward_only: no-grad graphs for scoring and eval (call the model under ``torch.no_grad()``).
         capture_opts: passed to ``capture_layers`` (``num_warmup_iters``, ``on_mismatch``, ``max_graphs``, ...).
@@ -472,6 +346,8 @@ def graph_decoder_layers(
             device the graphs are captured on.
     """
     from packgraph.graphs import capture_layers
+
+    scope = _resolve_scope(scope)
 
     def make_graphed(adapters: list[_LayerCall], sample_args: tuple) -> list[Callable[..., Tensor]]:
         # Whole layers feed each other directly (chained: no copies between graphs); with a partial scope an eager
@@ -493,8 +369,7 @@ def _install(
     make_graphed: Callable[[list[_LayerCall], tuple], Sequence[Callable[..., Tensor]]],
 ) -> GraphedDecoderLayers:
     """Build adapters and sample inputs, let ``make_graphed`` capture them, and patch the targets' forwards."""
-    if scope not in _SCOPES:
-        raise ValueError(f"scope must be one of {_SCOPES}, got {scope!r}")
+    scope = _resolve_scope(scope)
     attn_impl = getattr(model.config, "_attn_implementation", None)
     if attn_impl != ATTENTION_NAME:
         raise ValueError(
@@ -506,8 +381,7 @@ def _install(
     if any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
         raise RuntimeError("gradient checkpointing recomputes layers outside the graph: disable it to graph layers")
     targets = [
-        {"layer": layer, "attention": _child(layer, "self_attn"), "mlp": _child(layer, "mlp")}[scope]
-        for layer in layers
+        {"layer": layer, "attn": _child(layer, "self_attn"), "mlp": _child(layer, "mlp")}[scope] for layer in layers
     ]
     for target in targets:
         if "forward" in target.__dict__:
@@ -522,6 +396,25 @@ def _install(
     for target, adapter, fn in zip(targets, adapters, graphed, strict=True):
         target.forward = _graphed_forward(adapter, fn)
     return GraphedDecoderLayers(targets=targets, adapters=adapters, graphed=graphed, scope=scope)
+
+
+def _resolve_scope(scope: str, *, stacklevel: int = 3) -> str:
+    """``scope`` as one of :data:`SCOPES`: a deprecated alias warns (one ``FutureWarning``) and is translated.
+
+    Raises:
+        ValueError: neither a scope nor an alias.
+    """
+    if scope in _SCOPE_ALIASES:
+        current = _SCOPE_ALIASES[scope]
+        warnings.warn(
+            f"scope={scope!r} is deprecated and will be removed: use scope={current!r}",
+            FutureWarning,
+            stacklevel=stacklevel,
+        )
+        return current
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    return scope
 
 
 def _graphed_forward(adapter: _LayerCall, graphed: Callable[..., Tensor]) -> Callable[..., Any]:
@@ -563,7 +456,7 @@ def _graphed_forward(adapter: _LayerCall, graphed: Callable[..., Tensor]) -> Cal
         # reads its flag, which must follow the target's.
         adapter.training = adapter.target.training
         out = graphed(hidden_states, cos, sin, params, **static)
-        if scope == "attention":
+        if scope == "attn":
             return out, None
         return (out,) if adapter.returns_tuple else out
 
@@ -597,57 +490,3 @@ def _child(layer: nn.Module, name: str) -> nn.Module:
     if not isinstance(child, nn.Module):
         raise ValueError(f"{type(layer).__name__} has no {name!r} submodule to graph")
     return child
-
-
-# ---------------------------------------------------------------------------------------------------- host helpers
-def _host_row(x: Any, name: str, n: int | None = None) -> Tensor:
-    t = torch.as_tensor(x)
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}: convert the collator output before moving it to the device")
-    if t.dim() == 2 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 1 or (n is not None and t.numel() != n):
-        want = "[1, N] or [N]" if n is None else f"[1, {n}] like input_ids"
-        raise ValueError(f"{name} must be {want} (one flattened stream), got shape {tuple(t.shape)}")
-    return t.to(torch.int64)
-
-
-def _document_lengths(batch: Mapping[str, Any], n: int) -> list[int]:
-    if batch.get("cu_seq_lens_q") is not None:
-        offsets = _host_row(batch["cu_seq_lens_q"], "cu_seq_lens_q").tolist()
-        if offsets[0] != 0 or offsets[-1] != n or any(b < a for a, b in pairwise(offsets)):
-            raise ValueError(f"cu_seq_lens_q must rise from 0 to the {n} tokens of input_ids, got {offsets}")
-        return [b - a for a, b in pairwise(offsets)]
-    if n == 0:
-        return []
-    if batch.get("seq_idx") is not None:
-        starts = _host_row(batch["seq_idx"], "seq_idx", n).diff() != 0
-    elif batch.get("position_ids") is not None:
-        starts = _host_row(batch["position_ids"], "position_ids", n).diff() != 1
-    else:
-        return [n]
-    bounds = [0, *(torch.nonzero(starts).view(-1) + 1).tolist(), n]
-    return [b - a for a, b in pairwise(bounds)]
-
-
-def _host_offsets(params: PackedSeqParams, name: str) -> list[int]:
-    host = params.current_host_offsets()
-    if host is not None and name in host:
-        return list(host[name])
-    return getattr(params, name).tolist()
-
-
-def _cat(parts: list[Tensor], dtype: torch.dtype = torch.int64) -> Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
-
-
-def _cumsum(values: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out
-
-
-def _starts(lengths: Sequence[int]) -> list[int]:
-    return [0, *_cumsum(lengths)][:-1] if lengths else []

@@ -50,7 +50,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError("packgraph.integrations.hf_trainer needs Hugging Face transformers (and accelerate)") from exc
 
 from packgraph.buckets import BucketPolicy, default_buckets
-from packgraph.integrations.hf import ATTENTION_NAME, GraphedDecoderLayers, graph_decoder_layers
+from packgraph.integrations.hf import ATTENTION_NAME, GraphedDecoderLayers, _resolve_scope, graph_decoder_layers
 from packgraph.packing import IGNORE_INDEX, PackedBatch, Packing, pack_sequences
 from packgraph.params import PackedSeqParams
 
@@ -269,7 +269,8 @@ class PackgraphTrainerMixin:
             (with TRL's ``SFTTrainer(packing=True)``, replacing its padding-free collator, which emits exact,
             per-batch metadata and rows of varying length).
         buckets: the static metadata policy (default: the collator's, else ``default_buckets(T)``).
-        scope: what each layer graph covers: ``"layer"``, ``"attention"`` or ``"mlp"``.
+        scope: what each layer graph covers: ``"layer"``, ``"attn"`` or ``"mlp"`` (see
+            :data:`~packgraph.integrations.hf.SCOPES`; ``"attention"`` is a deprecated alias of ``"attn"``).
         capture_options: passed on to ``graph_decoder_layers`` (``num_warmup_iters``, ``max_graphs``, ...).
 
     Attributes: ``packgraph_layers`` (the :class:`~packgraph.integrations.hf.GraphedDecoderLayers` handle, None
@@ -301,7 +302,7 @@ class PackgraphTrainerMixin:
         collator = self.data_collator if isinstance(self.data_collator, PackedCollator) else None
         self.packgraph_buckets = buckets if buckets is not None else getattr(collator, "buckets", None)
         self.packgraph_graphs = self.args.device.type == "cuda" if graphs is None else bool(graphs)
-        self.packgraph_scope = scope
+        self.packgraph_scope = _resolve_scope(scope)
         self.packgraph_capture_options = dict(capture_options or {})
         self.packgraph_layers: GraphedDecoderLayers | None = None
         self._packgraph_total_tokens = getattr(collator, "total_tokens", None)

@@ -6,9 +6,8 @@ state is ``[T, d_model]``. Documents never see each other: attention is block-di
 (:func:`~packgraph.ops.apply_rope_thd`). Rows that belong to no document ("dead" rows: tail and padding) carry
 garbage hidden states that nothing reads, and their labels are ``-100``.
 
-Each :class:`Block` is ``mlp(attn(x))`` with the two halves as separate modules (``block.attn``,
-``block.mlp``), so either can be captured into a CUDA graph alone while the other runs eagerly.
-:meth:`GPT.graphed` builds such wrappers (scopes ``"layer"``, ``"attn"``, ``"mlp"``, ``"model"``).
+Each :class:`Block` is ``mlp(attn(x))``, two separate modules (``block.attn``, ``block.mlp``) so that either half
+can run in a CUDA graph while the other runs eagerly: :meth:`GPT.graphed` builds such wrappers (:data:`SCOPES`).
 
 Loss normalisation: ``loss = sum_r loss_mask[r] * CE(logits[r], labels[r]) / sum_r loss_mask[r]`` over the rows
 of the batch, i.e. the mean over real target tokens. Rows with ``labels == -100`` contribute zero whatever
@@ -90,10 +89,8 @@ class GPTConfig:
 
     def num_params(self) -> int:
         """Parameter count (tied head counted once)."""
-        attn = (
-            self.d_model * (self.n_head + 2 * self.n_kv_head) * self.head_dim
-            + self.n_head * self.head_dim * self.d_model
-        )
+        qkv = self.d_model * (self.n_head + 2 * self.n_kv_head) * self.head_dim
+        attn = qkv + self.n_head * self.head_dim * self.d_model  # and the output projection
         mlp = 3 * self.d_model * self.mlp_hidden
         return self.vocab_size * self.d_model + self.n_layer * (attn + mlp + 2 * self.d_model) + self.d_model
 
@@ -182,8 +179,13 @@ def _unpack(
     packed_seq_params: PackedSeqParams | None,
     labels: Tensor | None,
     loss_mask: Tensor | None,
+    *,
+    need_labels: bool = False,
 ) -> tuple[Tensor, PackedSeqParams, Tensor | None, Tensor | None]:
-    """``(tokens, params, labels, loss_mask)`` from a PackedBatch or loose tensors; explicit args win."""
+    """``(tokens, params, labels, loss_mask)`` from a PackedBatch or loose tensors; explicit args win.
+
+    ``need_labels``: raise unless labels are found (``token_logprobs`` cannot run without them).
+    """
     if isinstance(batch, Tensor):
         tokens = batch
     else:
@@ -195,17 +197,9 @@ def _unpack(
         raise ValueError("packed_seq_params is required with a tokens tensor (or pass a PackedBatch)")
     if tokens.dim() != 1:
         raise ValueError(f"tokens must be 1-D [T] (THD layout), got shape {tuple(tokens.shape)}")
-    return tokens, packed_seq_params, labels, loss_mask
-
-
-def _unpack_for_logprobs(
-    batch: PackedBatch | Tensor, packed_seq_params: PackedSeqParams | None, labels: Tensor | None
-) -> tuple[Tensor, PackedSeqParams, Tensor]:
-    """``(tokens, params, labels)`` for ``token_logprobs``, which needs labels."""
-    tokens, params, labels, _ = _unpack(batch, packed_seq_params, labels, None)
-    if labels is None:
+    if need_labels and labels is None:
         raise ValueError("token_logprobs needs labels (pass a PackedBatch or labels=)")
-    return tokens, params, labels
+    return tokens, packed_seq_params, labels, loss_mask
 
 
 def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
@@ -291,7 +285,7 @@ class GPT(nn.Module):
         labels: Tensor | None = None,
     ) -> Tensor:
         """float32 ``[T]``: ``log p(labels[r] | tokens of its document up to r)``; 0 where ``labels == -100``."""
-        tokens, params, labels = _unpack_for_logprobs(batch, packed_seq_params, labels)
+        tokens, params, labels, _ = _unpack(batch, packed_seq_params, labels, None, need_labels=True)
         return logprobs_of_labels(self.logits_from_hidden(self.forward_hidden(tokens, params)), labels)
 
     def graphed(
@@ -309,8 +303,7 @@ class GPT(nn.Module):
                 that half of each block, the other half eager; ``"model"`` graphs the whole loss forward and
                 backward (its ``forward`` then returns ``(None, loss)``: the logits stay inside the graph).
                 Embedding, head and loss are eager in every scope but ``"model"``.
-            buckets: map each batch's params to a static bucket (``BucketPolicy.apply``) before replay; one graph
-                set is captured per bucket, lazily, at the first batch that needs it, all in one capture group.
+            buckets: a ``BucketPolicy`` for the engine: each batch replays its bucket's graphs (:class:`GraphedGPT`).
             sample_batch: capture the first graph set now from this batch's shape instead of at the first call.
             forward_only: no-grad graphs (scoring/eval). Call the wrapper under ``torch.no_grad()``.
             capture_opts: passed to :func:`packgraph.capture` / :func:`packgraph.capture_layers`.
@@ -359,13 +352,11 @@ class _LogprobModule(nn.Module):
 class GraphedGPT(nn.Module):
     """A :class:`GPT` whose block stack (or a part of it) replays CUDA graphs. Build with :meth:`GPT.graphed`.
 
-    One engine capture serves every batch: the blocks (or their halves) go through one
-    :func:`~packgraph.graphs.capture_layers` call with the bucket policy, so all buckets share one capture group,
-    one memory pool, one set of static buffers per layer and a cache that holds every bucket. A batch of a new
-    bucket is captured by the engine at its first call, inside the caller's context (autocast, grad mode). Scope
-    ``"model"`` captures the whole loss with :func:`~packgraph.graphs.capture` the same way.
-
-    Parameters are the wrapped model's (``self.model``); save ``graphed.model.state_dict()``.
+    One engine capture serves every batch: one :func:`~packgraph.graphs.capture_layers` call over the blocks (or
+    their halves; scope ``"model"``: one :func:`~packgraph.graphs.capture` of the whole loss) with the bucket
+    policy, so all buckets share one capture group, one memory pool, one set of static buffers per layer and one
+    cache. The engine captures a new bucket at its first call, in the caller's context (autocast, grad mode).
+    Parameters are the wrapped model's (``self.model``): save ``graphed.model.state_dict()``.
     """
 
     def __init__(
@@ -498,7 +489,7 @@ class GraphedGPT(nn.Module):
         labels: Tensor | None = None,
     ) -> Tensor:
         """Same contract as :meth:`GPT.token_logprobs`, through the graphs (use ``forward_only=True``)."""
-        tokens, params, labels = _unpack_for_logprobs(batch, packed_seq_params, labels)
+        tokens, params, labels, _ = _unpack(batch, packed_seq_params, labels, None, need_labels=True)
         if self.scope == "model":
             if not self.forward_only:
                 raise RuntimeError("scope 'model' logprobs need a forward_only=True wrapper")

@@ -1,4 +1,5 @@
-"""Hugging Face integration on the CPU: the "packgraph" attention, batch conversion, the graphed-layer plumbing.
+"""Hugging Face integration on the CPU: the "packgraph" attention and the graphed-layer plumbing (the batch
+conversions have their own tests in test_hf_batches.py).
 
 References are independent of the code under test: each document run alone through the same weights with
 transformers' own "eager" attention, HF's own loss on the collator output, and label/position layouts written
@@ -6,6 +7,7 @@ out by hand.
 """
 
 import copy
+import warnings
 from itertools import pairwise
 
 import pytest
@@ -13,7 +15,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from packgraph.buckets import BucketPolicy  # noqa: E402
 from packgraph.graphs import use_recorder  # noqa: E402
 from packgraph.integrations import hf  # noqa: E402
 from packgraph.params import PackedSeqParamsError  # noqa: E402
@@ -161,103 +162,11 @@ def test_register_is_idempotent():
     assert AttentionInterface._global_mapping["packgraph"] is hf.packgraph_attention
 
 
-# ---------------------------------------------------------------------------------------------------- batches
-def _hand_layout(docs, total):
-    """Shifted labels and restarting positions written out row by row."""
-    labels, positions = [], []
-    for d in docs:
-        for j in range(len(d)):
-            labels.append(int(d[j + 1]) if j + 1 < len(d) else -100)
-            positions.append(j)
-    pad = total - len(labels)
-    return torch.tensor(labels + [-100] * pad), torch.tensor(positions + [0] * pad)
+def test_batch_conversions_are_reexported():
+    from packgraph.integrations import hf_batches
 
-
-@pytest.mark.parametrize(
-    "collator_kwargs",
-    [{}, {"return_flash_attn_kwargs": True}, {"return_seq_idx": True}, {"return_flash_attn_kwargs": True,
-     "return_seq_idx": True}],
-)  # fmt: skip
-def test_from_flattening_batch_layout(collator_kwargs):
-    docs = _docs()
-    batch = hf.from_flattening_batch(_collate(docs, **collator_kwargs), total_tokens=TOTAL_TOKENS, pad_token_id=3)
-    labels, positions = _hand_layout(docs, TOTAL_TOKENS)
-    n = sum(DOC_LENGTHS)
-    assert torch.equal(batch.tokens[:n], torch.cat(docs)) and (batch.tokens[n:] == 3).all()
-    assert torch.equal(batch.labels, labels)
-    assert torch.equal(batch.loss_mask, (labels != -100).float())
-    assert torch.equal(batch.position_ids, positions)
-    params = batch.packed_seq_params
-    assert params.cu_seqlens_q.tolist() == [0, 5, 22, 23, 32, 44]
-    assert params.cu_seqlens_q.dtype == torch.int32
-    assert (params.max_seqlen_q, params.total_tokens, params.capacity) == (17, TOTAL_TOKENS, 5)
-    assert batch.doc_lengths == DOC_LENGTHS and batch.num_real_tokens == int(batch.loss_mask.sum())
-
-
-def test_from_flattening_batch_buckets_and_masked_labels():
-    docs = _docs()
-    features = []
-    for d in docs:  # prompt masking: the first half of each document carries no loss
-        lab = d.clone()
-        lab[: len(d) // 2] = -100
-        features.append({"input_ids": d.tolist(), "labels": lab.tolist()})
-    collated = transformers.DataCollatorWithFlattening()(features)
-    policy = BucketPolicy((8, 32, 64), (4, 8, 16))
-    batch = hf.from_flattening_batch(collated, buckets=policy, total_tokens=64)
-    params = batch.packed_seq_params
-    assert (params.max_seqlen_q, params.max_seqlen_kv, params.capacity) == (32, 32, 8)
-    assert params.cu_seqlens_q.tolist() == [0, 5, 22, 23, 32, 44, 44, 44, 44]
-    expected = torch.full((64,), -100)
-    start = 0
-    for d in docs:
-        for j in range(len(d) - 1):
-            if j + 1 >= len(d) // 2:  # the target token j + 1 is in the unmasked half
-                expected[start + j] = d[j + 1]
-        start += len(d)
-    assert torch.equal(batch.labels, expected)
-    assert batch.doc_lengths is None  # masked labels: the target count is not sum(len - 1)
-    assert batch.num_real_tokens == int((expected != -100).sum())
-    back = hf.to_flattening_batch(batch, return_flash_attn_kwargs=False)
-    assert torch.equal(back["labels"], collated["labels"])
-
-
-@pytest.mark.parametrize("return_seq_idx", [False, True])
-def test_flattening_round_trip(return_seq_idx):
-    collated = _collate(_docs(), return_flash_attn_kwargs=True, return_seq_idx=return_seq_idx)
-    batch = hf.from_flattening_batch(collated, total_tokens=TOTAL_TOKENS)
-    back = hf.to_flattening_batch(batch, return_seq_idx=return_seq_idx)
-    assert set(back) == set(collated)
-    for key, value in collated.items():
-        if isinstance(value, torch.Tensor):
-            assert back[key].dtype == value.dtype, key
-            assert torch.equal(back[key], value), key
-        else:
-            assert back[key] == value, key
-
-
-def test_to_flattening_batch_padded_layout():
-    """Documents placed at padded offsets (pad_to_multiple) come back contiguous, in order."""
-    from packgraph.packing import PackedBatch
-
-    docs = _docs((3, 6, 2))
-    batch = PackedBatch.from_documents(docs, bin_size=24, capacity=4, pad_to_multiple=4)
-    assert batch.packed_seq_params.cu_seqlens_q_padded is not None
-    back = hf.to_flattening_batch(batch)
-    assert torch.equal(back["input_ids"][0], torch.cat(docs))
-    assert back["cu_seq_lens_q"].tolist() == [0, 3, 9, 11] and back["max_length_q"] == 6
-    expected = torch.cat([torch.cat([torch.tensor([-100]), d[1:]]) for d in docs])
-    assert torch.equal(back["labels"][0], expected)
-
-
-def test_from_flattening_batch_errors():
-    collated = _collate(_docs())
-    with pytest.raises(ValueError, match="more than total_tokens"):
-        hf.from_flattening_batch(collated, total_tokens=10)
-    bad = dict(collated, cu_seq_lens_q=torch.tensor([0, 5, 99], dtype=torch.int32))
-    with pytest.raises(ValueError, match="cu_seq_lens_q"):
-        hf.from_flattening_batch(bad)
-    with pytest.raises(ValueError, match="position_ids must be"):
-        hf.from_flattening_batch(dict(collated, position_ids=collated["position_ids"][:, :-1]))
+    for name in hf_batches.__all__:
+        assert name in hf.__all__ and getattr(hf, name) is getattr(hf_batches, name), name
 
 
 # ---------------------------------------------------------------------------------------------------- graphs
@@ -274,7 +183,7 @@ def test_graph_decoder_layers_needs_cuda(llama_pair):
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
 
 
-@pytest.mark.parametrize("scope", ["layer", "attention", "mlp"])
+@pytest.mark.parametrize("scope", ["layer", "attn", "mlp"])
 def test_graph_plumbing_matches_eager(scope):
     """The patched forwards (split into graph inputs, call, restore HF's structure) change nothing: with an
     identity 'capture' that returns the adapters themselves, logits and grads equal the unpatched model's."""
@@ -322,7 +231,7 @@ def _same_signature_batches():
     ]
 
 
-@pytest.mark.parametrize("scope", ["layer", "attention", "mlp"])
+@pytest.mark.parametrize("scope", ["layer", "attn", "mlp"])
 def test_graph_decoder_layers_through_the_engine_on_a_cpu_stand_in(scope):
     config = _configs()["llama"]
     model = _model(config, "packgraph").train()
@@ -352,6 +261,36 @@ def test_graph_decoder_layers_through_the_engine_on_a_cpu_stand_in(scope):
     assert [g.captures for g in handle.graphed] == [1] * config.num_hidden_layers
     handle.remove()
     assert not any("forward" in t.__dict__ for t in handle.targets)
+
+
+def _scope_warnings(caught):
+    return [w for w in caught if issubclass(w.category, FutureWarning) and "scope=" in str(w.message)]
+
+
+def test_attention_scope_is_a_deprecated_alias_of_attn():
+    """scope="attention" (the old name) still graphs each layer's self_attn, with one FutureWarning that names
+    "attn" and points at the caller; "attn" itself warns nothing."""
+    config = _configs()["llama"]
+    model = _model(config, "packgraph").train()
+    ref = _model(config, "packgraph", model.state_dict()).train()
+    batch = _same_signature_batches()[0]
+    with use_recorder(EagerRecorder()), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = hf.graph_decoder_layers(model, batch, scope="attention")
+        out = hf.packed_forward(model, batch, compute_loss=True)
+    (warning,) = _scope_warnings(caught)
+    assert "'attn'" in str(warning.message) and warning.filename == __file__
+    assert handle.scope == "attn"
+    assert all(t is layer.self_attn for t, layer in zip(handle.targets, model.model.layers, strict=True))
+    expected = hf.packed_forward(ref, batch, compute_loss=True)
+    torch.testing.assert_close(out.logits, expected.logits, atol=1e-6, rtol=1e-6)
+    handle.remove()
+    with use_recorder(EagerRecorder()), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf.graph_decoder_layers(model, batch, scope="attn").remove()
+    assert _scope_warnings(caught) == []
+    with pytest.raises(ValueError, match="scope must be one of"):
+        hf.graph_decoder_layers(model, batch, scope="self_attn")
 
 
 def _replays(graphed):

@@ -8,6 +8,7 @@ The graphed path runs the production engine on a stand-in recorder (``packgraph.
 
 import copy
 import types
+import warnings
 
 import pytest
 import torch
@@ -250,6 +251,23 @@ def test_graphed_trainer_equals_packed_eager_on_a_cpu_stand_in(tmp_path):
     assert set(saved.state_dict()) == set(state) == set(graphed.model.state_dict())
     for name, value in saved.state_dict().items():
         torch.testing.assert_close(value, state[name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_attention_scope_is_a_deprecated_alias_of_attn(tmp_path):
+    """scope="attention" (the old name) warns once, at construction, naming "attn", and graphs each self_attn."""
+    rows = pack_dataset(_examples(4, seed=6), T, buckets=POLICY)
+    with use_recorder(EagerRecorder()), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = PackgraphTrainer(
+            model=_model(), args=_args(tmp_path, 1), train_dataset=_InOrder(rows), total_tokens=T, buckets=POLICY,
+            graphs=True, scope="attention", capture_options={"num_warmup_iters": 1},
+        )  # fmt: skip
+        trainer.train()
+    (warning,) = [w for w in caught if issubclass(w.category, FutureWarning) and "scope=" in str(w.message)]
+    assert "'attn'" in str(warning.message) and warning.filename == __file__
+    assert trainer.packgraph_scope == "attn" and trainer.packgraph_layers.scope == "attn"
+    layers = trainer.accelerator.unwrap_model(trainer.model).model.layers
+    assert all(t is layer.self_attn for t, layer in zip(trainer.packgraph_layers.targets, layers, strict=True))
 
 
 def test_gradient_checkpointing_eager_is_exact_and_refused_with_graphs(tmp_path):

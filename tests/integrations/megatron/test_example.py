@@ -14,7 +14,7 @@ from packgraph.graphs import use_recorder  # noqa: E402
 from tests.eager_recorder import EagerRecorder  # noqa: E402
 from tests.megatron_shims import megatron_on_cpu  # noqa: E402
 
-_PATH = Path(__file__).resolve().parents[1] / "examples" / "megatron_packed_gpt.py"
+_PATH = Path(__file__).resolve().parents[3] / "examples" / "megatron_packed_gpt.py"
 
 
 @pytest.fixture(scope="module")
