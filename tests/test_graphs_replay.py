@@ -283,7 +283,7 @@ def test_recapture_lru_and_logs(caplog):
             torch.testing.assert_close(graphed(x), lin(x))  # never a stale graph: each shape its own
     assert graphed.captures == 5 and graphed.recaptures == 4 and graphed.num_graphs == 2
     assert graphed.evictions == 3
-    assert [s.args[0][1][0] for s in graphed.signatures] == [4, 5]
+    assert [s.args[0].shape[0] for s in graphed.signatures] == [4, 5]
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert len(infos) == 4 and all("captured" in m for m in infos)
     assert sum("evicted" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) == 3

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from packgraph.buckets import BucketPolicy
+from packgraph.graphs.describe import signature_diff
 from packgraph.graphs.signature import (
     CallSignature,
     ParamsPreparer,
+    TensorKey,
     dyn_keys,
     flatten_call,
     rebuild_call,
-    signature_diff,
 )
 from packgraph.params import PackedSeqParams, PackedSeqParamsError
 
@@ -36,14 +37,15 @@ def test_dynamic_inputs_in_order_and_statics_in_key():
     assert [d if isinstance(d, torch.Tensor) else d.params for d in dyn][:3] == [x, y, z]
     assert dyn[3].params.cu_seqlens_q is p.cu_seqlens_q and dyn[4] is z and len(dyn) == 5
     keys = dyn_keys(sig)
-    assert [k[1] if isinstance(k, tuple) else "params" for k in keys] == [
+    assert [k.shape if isinstance(k, TensorKey) else "params" for k in keys] == [
         torch.Size([4, 3]),
         torch.Size([2]),
         torch.Size([5]),
         "params",
         torch.Size([5]),
     ]
-    assert keys[1][2] == torch.float64 and keys[1][4] is True and keys[0][4] is False
+    assert keys[1].dtype == torch.float64 and keys[1].requires_grad is True and keys[0].requires_grad is False
+    assert type(keys[0]) is TensorKey and keys[0].source is None  # copied in, not read from another graph
     # the same call with other tensor values has the same signature; a static value change does not
     x2, y2, z2 = torch.randn(4, 3), torch.randn(2, dtype=torch.float64, requires_grad=True), torch.ones(5).long()
     p2 = PackedSeqParams.from_seqlens([2, 2], capacity=4, total_tokens=4, max_seqlen=4)

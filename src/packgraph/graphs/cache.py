@@ -20,8 +20,9 @@ from typing import Any, Generic, TypeVar
 
 from torch import Tensor
 
+from packgraph.graphs.describe import signature_diff
 from packgraph.graphs.handouts import HandoutBook
-from packgraph.graphs.signature import CallSignature, ParamsPreparer, signature_diff
+from packgraph.graphs.signature import CallSignature, ParamsPreparer
 from packgraph.params import PackedSeqParamsError
 
 __all__ = ["GraphSignatureError", "GraphCache", "OutputRegistry", "CaptureGroup", "ON_MISMATCH", "logger"]

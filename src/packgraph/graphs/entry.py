@@ -25,7 +25,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -38,34 +38,48 @@ from packgraph.graphs.order import check_replay_order, freed_at, preserve_versio
 from packgraph.graphs.signature import (
     CallSignature,
     PreparedParams,
-    autocast_state,
     dyn_keys,
     is_chained,
     rebuild_call,
     tensor_requires_grad,
 )
+from packgraph.graphs.stand_ins import capture_mode, parameters_replaced, stand_in_leaf
 
-if TYPE_CHECKING:
-    from packgraph.graphs.capture import GraphedCallable
+__all__ = ["Entry", "Owner", "Replay", "explained_capture_errors"]
 
-__all__ = ["Entry", "Replay", "explained_capture_errors"]
+
+class Owner(Protocol):
+    """What an entry reads of the callable that caches it (a :class:`~packgraph.graphs.capture.GraphedCallable`)."""
+
+    fn: Any
+    name: str
+    uid: int
+    group: Any  # its capture group: recorder, pool, capture numbers, entries in flight, output registry
+    buffers: Any  # its SharedBuffers
+    cache: Any  # signature -> Entry
+    grad_records: dict[int, Handout]  # id(parameter) -> the record of the grad last handed out for it
+    debug: bool
+    forward_only: bool
+    num_warmup_iters: int
+    share_activations: bool
+
+    def trainable_now(self) -> list[Tensor]: ...
+
+    def param_slots(self) -> list[tuple[dict, str, Tensor, int]]: ...
 
 
 class Entry:
     """One signature's capture: static buffers, the forward graph and, when training, the backward graph."""
 
-    def __init__(self, owner: GraphedCallable, key: CallSignature, args: tuple, kwargs: dict, dyn: list) -> None:
+    def __init__(self, owner: Owner, key: CallSignature, args: tuple, kwargs: dict, dyn: list) -> None:
         self.owner = owner
         self.key = key
         self.flight: Any = None  # weakref to the autograd context of a forward whose backward has not run
         self.fwd_seq = 0  # capture numbers in the group (see packgraph.graphs.order)
         self.bwd_seq: int | None = None
         self.trainable: list[Tensor] = owner.trainable_now()
-        # Warm-up and capture run on a side stream with fresh leaves sharing each parameter's storage standing in
-        # for it: the autograd graph a capture keeps (until a late backward capture) then holds no AccumulateGrad
-        # node of the real parameter, whose node autograd would reuse, with the side stream, on the caller's
-        # stream ("The AccumulateGrad node's stream does not match ...").
-        self.stand_ins = [_stand_in(p) for p in self.trainable]
+        # warm-up and capture train these instead of the parameters (packgraph.graphs.stand_ins says why)
+        self.stand_ins = [stand_in_leaf(p) for p in self.trainable]
         recorder = owner.group.recorder
         # A capture made while a graph with freed activations is in flight gets a pool of its own: the group's
         # pool may hand it that graph's activations.
@@ -117,7 +131,7 @@ class Entry:
         if self.owner.debug:
             for params in self.static_params:
                 params.assert_valid_async()
-        with _parameters_replaced(self.owner, dict(zip(map(id, self.trainable), self.stand_ins, strict=True))):
+        with parameters_replaced(self.owner, dict(zip(map(id, self.trainable), self.stand_ins, strict=True))):
             return self.owner.fn(*self.static_args, **self.static_kwargs)
 
     def _grad_targets(self) -> list[Tensor]:
@@ -137,7 +151,7 @@ class Entry:
             targets = targets[: len(self.grad_positions)]
 
         def run() -> None:
-            with _capture_mode(owner, train):
+            with capture_mode(owner, train):
                 out = self._call_fn()
                 outs = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor) and o.requires_grad]
                 if outs and targets:
@@ -152,7 +166,7 @@ class Entry:
         own_inputs = {b.data_ptr() for b in self.static_inputs if b is not None}
 
         def body() -> list:
-            with _capture_mode(owner, train):
+            with capture_mode(owner, train):
                 out = self._call_fn()
             leaves, self.out_spec = pytree.tree_flatten(out)
             self.out_template = [_OUT if isinstance(v, Tensor) else v for v in leaves]
@@ -420,43 +434,6 @@ def explained_capture_errors(entry: Entry) -> Iterator[None]:
 
 
 _OUT = object()  # marks a tensor slot in an output template
-
-
-def _stand_in(p: Tensor) -> Tensor:
-    """A leaf sharing ``p``'s storage and version counter, of ``p``'s class (code may check for ``Parameter``)."""
-    if isinstance(p, torch.nn.Parameter):
-        return torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-    return p.detach().requires_grad_(p.requires_grad)
-
-
-@contextlib.contextmanager
-def _parameters_replaced(owner: GraphedCallable, replacement: dict[int, Tensor]) -> Iterator[None]:
-    """Within the block, every parameter slot of the module that holds a key of ``replacement`` holds its value."""
-    swapped = []
-    try:
-        if replacement:
-            for table, name, t, _ in owner.param_slots():
-                new = replacement.get(id(t))
-                if new is not None and table.get(name) is t:
-                    table[name] = new
-                    swapped.append((table, name, t))
-        yield
-    finally:
-        for table, name, t in swapped:
-            table[name] = t
-
-
-@contextlib.contextmanager
-def _capture_mode(owner: GraphedCallable, train: bool) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.inference_mode(False))
-        stack.enter_context(torch.enable_grad() if train else torch.no_grad())
-        device_type = owner.group.recorder.device_type
-        dtype = autocast_state(device_type)
-        if dtype is not None:
-            # A cached cast of a weight would be baked into the graph and go stale after optimizer.step().
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
-        yield
 
 
 class Replay(torch.autograd.Function):

@@ -31,26 +31,31 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from packgraph.params import DYNAMIC_FIELDS, PackedSeqParams, ParamsType, StaticSignature, params_type_of
+from packgraph.params import (
+    DYNAMIC_FIELDS,
+    GroupIdentity,
+    PackedSeqParams,
+    ParamsType,
+    StaticSignature,
+    _version_of,
+    params_type_of,
+)
 
 __all__ = [
     "VALIDATE_MODES",
     "CallSignature",
     "ParamsKey",
+    "StaticKey",
+    "TensorKey",
+    "TreeKey",
     "PreparedParams",
     "ParamsPreparer",
     "flatten_call",
     "rebuild_call",
-    "signature_diff",
-    "describe_key",
 ]
 
 VALIDATE_MODES: tuple[str, ...] = ("host", "sync", "debug", "off")
 
-# Tags of the per-leaf keys. Keys are plain tuples because one is built per tensor per call.
-_TENSOR = "tensor"
-_TREE = "tree"
-_STATIC = "static"
 _PARAM_FIELDS = (*DYNAMIC_FIELDS, "seq_idx")
 
 
@@ -66,6 +71,38 @@ class CallSignature(NamedTuple):
     training: bool | None
     autocast: Any
     frozen: tuple[int, ...] = ()
+
+
+class TensorKey(NamedTuple):
+    """A tensor leaf of a signature. ``source`` and ``strides`` are set for an input read in place from another
+    graph's static output (``source`` names that output): the graph reads that memory, so they are baked in."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    source: Any = None
+    strides: tuple[int, ...] | None = None
+
+
+class TreeKey(NamedTuple):
+    """A container leaf: its pytree structure and the keys of its leaves."""
+
+    spec: Any
+    leaves: tuple
+
+
+class StaticKey(NamedTuple):
+    """A non-tensor value, keyed with its type (1, 1.0 and True hash alike but may trace differently); an
+    unhashable value is keyed by identity (:class:`~packgraph.params.GroupIdentity`)."""
+
+    type: type
+    value: Any
+
+
+# Leaf keys are built per tensor per call on the replay path: ``tuple.__new__`` makes them without the Python-level
+# ``__new__`` that NamedTuple generates.
+_new = tuple.__new__
 
 
 class ParamsKey:
@@ -99,24 +136,6 @@ class ParamsKey:
 
     def __repr__(self) -> str:
         return f"ParamsKey({self.signature}, aliases={self.aliases}, kind={self.kind.__qualname__})"
-
-
-class _Identity:
-    """Stands for an unhashable static value in a signature: equal only to the same object."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.obj is self.obj
-
-    def __repr__(self) -> str:
-        return f"<{type(self.obj).__name__} @ {id(self.obj):#x}>"
 
 
 class _Spec:
@@ -210,10 +229,8 @@ class PreparedParams:
 
 
 def _versions(tensors: Sequence[Tensor]) -> tuple[int, ...] | None:
-    try:
-        return tuple(t._version for t in tensors)
-    except RuntimeError:  # inference tensors have no version counter
-        return None
+    versions = tuple(_version_of(t) for t in tensors)
+    return None if None in versions else versions  # inference tensors have no version counter
 
 
 class ParamsPreparer:
@@ -282,9 +299,8 @@ def _static_key(x: Any) -> Any:
     try:
         hash(x)
     except TypeError:
-        return (_STATIC, type(x), _Identity(x))
-    # the type is part of the key: 1, 1.0 and True hash alike but may trace differently
-    return (_STATIC, type(x), x)
+        return _new(StaticKey, (type(x), GroupIdentity(x)))
+    return _new(StaticKey, (type(x), x))
 
 
 def flatten_call(
@@ -323,15 +339,15 @@ def _leaf_or_tree(x: Any, dyn: list, prepare: Callable, chain_of: Callable | Non
         if chain_of is not None:
             token = chain_of(x)
             if token is not None:
-                return (_TENSOR, x.shape, x.dtype, x.device, x.requires_grad, token, x.stride())
-        return (_TENSOR, x.shape, x.dtype, x.device, x.requires_grad)
+                return _new(TensorKey, (x.shape, x.dtype, x.device, x.requires_grad, token, x.stride()))
+        return _new(TensorKey, (x.shape, x.dtype, x.device, x.requires_grad, None, None))
     if is_params(x):
         prepared = prepare(x)
         dyn.append(prepared)
         return prepared.key
     if _is_container(x):
         leaves, spec = pytree.tree_flatten(x)
-        return (_TREE, _Spec(spec), tuple([_leaf(leaf, dyn, prepare, chain_of) for leaf in leaves]))
+        return _new(TreeKey, (_Spec(spec), tuple([_leaf(leaf, dyn, prepare, chain_of) for leaf in leaves])))
     return _static_key(x)
 
 
@@ -366,105 +382,14 @@ def _rebuild(x: Any, it: Iterator) -> Any:
     return x
 
 
-# --------------------------------------------------------------------------------------------- describing
-def describe_key(key: Any) -> str:
-    """A short human-readable form of one leaf key (used in logs and error messages)."""
-    if key is None:
-        return "None"
-    if isinstance(key, ParamsKey):
-        sig = key.signature
-        return (
-            f"PackedSeqParams(max_seqlen_q={sig.max_seqlen_q}, max_seqlen_kv={sig.max_seqlen_kv}, "
-            f"capacity={sig.capacity}, total_tokens={sig.total_tokens})"
-        )
-    tag = key[0]
-    if tag == _TENSOR:
-        chained = f", reads graph output #{key[5]}" if len(key) > 5 else ""
-        return f"Tensor({tuple(key[1])}, {key[2]}, {key[3]}, requires_grad={key[4]}{chained})"
-    if tag == _TREE:
-        node = key[1].spec.type
-        return f"{getattr(node, '__name__', 'tree')} of {len(key[2])} leaves"
-    return f"{key[1].__name__} {key[2]!r}"
-
-
-def signature_diff(captured: CallSignature, given: CallSignature) -> list[tuple[str, Any, Any]]:
-    """``[(field, captured_value, given_value), ...]`` for every field that differs between two signatures.
-
-    Field names read like code: ``args[0].shape``, ``args[1].max_seqlen_q``, ``kwargs['causal']``,
-    ``module.training``, ``autocast``.
-    """
-    out: list[tuple[str, Any, Any]] = []
-    if len(captured.args) != len(given.args):
-        out.append(("number of positional args", len(captured.args), len(given.args)))
-    for i, (a, b) in enumerate(zip(captured.args, given.args, strict=False)):
-        _diff_key(f"args[{i}]", a, b, out)
-    ck, gk = dict(captured.kwargs), dict(given.kwargs)
-    for name in sorted(set(ck) | set(gk)):
-        if name not in ck or name not in gk:
-            out.append(
-                (
-                    f"kwargs[{name!r}]",
-                    describe_key(ck[name]) if name in ck else "<absent>",
-                    describe_key(gk[name]) if name in gk else "<absent>",
-                )
-            )
-        else:
-            _diff_key(f"kwargs[{name!r}]", ck[name], gk[name], out)
-    if captured.training != given.training:
-        out.append(("module.training", captured.training, given.training))
-    if captured.autocast != given.autocast:
-        out.append(("autocast", captured.autocast or "off", given.autocast or "off"))
-    if captured.frozen != given.frozen:
-        out.append(("frozen parameters", captured.frozen, given.frozen))
-    return out
-
-
-_TENSOR_PARTS = ("shape", "dtype", "device", "requires_grad")
-
-
-def _diff_key(path: str, a: Any, b: Any, out: list) -> None:
-    if a == b:
-        return
-    if isinstance(a, ParamsKey) and isinstance(b, ParamsKey):
-        for field, x, y in a.signature.diff(b.signature):
-            out.append((f"{path}.{field}", x, y))
-        if a.aliases != b.aliases:
-            out.append((f"{path}.shared tensors", a.aliases, b.aliases))
-        return
-    if _tag(a) == _TENSOR and _tag(b) == _TENSOR:
-        for j, part in enumerate(_TENSOR_PARTS, start=1):
-            x, y = a[j], b[j]
-            if x != y:
-                out.append((f"{path}.{part}", tuple(x) if part == "shape" else x, tuple(y) if part == "shape" else y))
-        if a[5:] != b[5:]:
-            out.append((f"{path}.source", _source(a), _source(b)))
-        return
-    if _tag(a) == _TREE and _tag(b) == _TREE:
-        if a[1] != b[1]:
-            out.append((f"{path}.structure", str(a[1]), str(b[1])))
-            return
-        for j, (x, y) in enumerate(zip(a[2], b[2], strict=True)):
-            _diff_key(f"{path}.leaf[{j}]", x, y, out)
-        return
-    out.append((path, describe_key(a), describe_key(b)))
-
-
-def _tag(key: Any) -> str | None:
-    return key[0] if isinstance(key, tuple) and key else None
-
-
-def _source(key: tuple) -> str:
-    return f"graph output #{key[5]} (strides {key[6]})" if len(key) > 5 else "a tensor copied in"
-
-
 def tensor_requires_grad(key: Any) -> bool:
     """Whether a leaf key describes a tensor that requires grad."""
-    return _tag(key) == _TENSOR and bool(key[4])
+    return isinstance(key, TensorKey) and key.requires_grad
 
 
 def is_chained(key: Any) -> bool:
     """Whether a leaf key describes a tensor read in place from another graph's static output."""
-    return _tag(key) == _TENSOR and len(key) > 5
+    return isinstance(key, TensorKey) and key.source is not None
 
 
 def dyn_keys(signature: CallSignature) -> list[Any]:
@@ -472,10 +397,10 @@ def dyn_keys(signature: CallSignature) -> list[Any]:
     keys: list[Any] = []
 
     def visit(key: Any) -> None:
-        if isinstance(key, ParamsKey) or _tag(key) == _TENSOR:
+        if isinstance(key, (ParamsKey, TensorKey)):
             keys.append(key)
-        elif _tag(key) == _TREE:
-            for leaf in key[2]:
+        elif isinstance(key, TreeKey):
+            for leaf in key.leaves:
                 visit(leaf)
 
     for key in signature.args:
@@ -490,10 +415,10 @@ def identity_statics(signature: CallSignature) -> list[str]:
     found: list[str] = []
 
     def visit(path: str, key: Any) -> None:
-        if _tag(key) == _STATIC and isinstance(key[2], _Identity):
-            found.append(f"{path} ({key[1].__name__})")
-        elif _tag(key) == _TREE:
-            for j, leaf in enumerate(key[2]):
+        if isinstance(key, StaticKey) and isinstance(key.value, GroupIdentity):
+            found.append(f"{path} ({key.type.__name__})")
+        elif isinstance(key, TreeKey):
+            for j, leaf in enumerate(key.leaves):
                 visit(f"{path}.leaf[{j}]", leaf)
 
     for i, key in enumerate(signature.args):
@@ -505,19 +430,6 @@ def identity_statics(signature: CallSignature) -> list[str]:
 
 def autocast_state(device_type: str) -> Any:
     """The autocast state a graph bakes in for ``device_type``: None when off, else the autocast dtype."""
-    if _is_autocast_enabled(device_type):
-        return _get_autocast_dtype(device_type)
-    return None
-
-
-def _is_autocast_enabled(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # older torch: no device argument
-        return torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
-
-
-def _get_autocast_dtype(device_type: str) -> torch.dtype:
-    if hasattr(torch, "get_autocast_dtype"):
+    if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    return torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
+    return None
