@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from packgraph import bench
-from packgraph.bench_attention import evaluate_ladders, recommend_ladder
-from packgraph.bench_data import batch_stream, doc_tokens, stream_stats
-from packgraph.bench_methods import kernel_class, padded_batch, padded_loss, short_kernel_name
-from packgraph.bench_report import busy_delta, check_targets, derive, kernel_class_table, readme_table, results_markdown
+from packgraph.bench import run as bench
+from packgraph.bench.attention import evaluate_ladders, recommend_ladder
+from packgraph.bench.data import batch_stream, doc_tokens, stream_stats
+from packgraph.bench.methods import kernel_class, padded_batch, padded_loss, short_kernel_name
+from packgraph.bench.report import busy_delta, check_targets, derive, kernel_class_table, readme_table, results_markdown
 from packgraph.buckets import default_buckets
 from packgraph.models.gpt import GPT, GPTConfig
 from packgraph.packing import PackedBatch
@@ -444,7 +444,7 @@ def test_time_limit_skips_the_units_not_started_and_still_writes_the_results(tmp
 
 
 def test_bucket_tour_visits_every_reachable_bucket():
-    from packgraph.bench_data import batch_stream
+    from packgraph.bench.data import batch_stream
     from packgraph.buckets import default_buckets
 
     T = 1024

@@ -202,7 +202,7 @@ def results_table(records: Iterable[Mapping[str, Any]]) -> str:
 
 
 def attention_table(summary: Iterable[Mapping[str, Any]]) -> str:
-    """Markdown table of :func:`packgraph.bench_attention.evaluate_ladders` output."""
+    """Markdown table of :func:`packgraph.bench.attention.evaluate_ladders` output."""
     header = ("T", "ladder", "buckets", "worst ratio", "mean ratio", "worst by mix", "packings", "missing")
     rows = []
     for s in sorted(summary, key=lambda s: (s["T"], s["buckets"], s["ladder"])):
@@ -224,7 +224,7 @@ def attention_table(summary: Iterable[Mapping[str, Any]]) -> str:
 
 def kernel_class_table(records: Iterable[Mapping[str, Any]]) -> str:
     """Markdown table: each profiled record's kernel time per step split by kernel class (see
-    ``packgraph.bench_methods.KERNEL_CLASSES``), memcpy/memset included as their own class."""
+    ``packgraph.bench.methods.KERNEL_CLASSES``), memcpy/memset included as their own class."""
     profiled = [r for r in sort_records(records) if r.get("gpu_busy_by_class")]
     totals: dict[str, float] = {}
     for r in profiled:

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from packgraph.bench_report import _METHOD_ORDER, record_key, sort_records
+from packgraph.bench.report import _METHOD_ORDER, record_key, sort_records
 
 __all__ = ["have_matplotlib", "plot_attention", "plot_results", "plot_steps"]
 

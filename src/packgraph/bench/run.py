@@ -1,7 +1,7 @@
 """``packgraph bench``: packgraph against eager, torch.compile and padded batching, measured side by side.
 
 A run measures a matrix of cells (GPT preset x tokens per step ``T`` x length mix), every method in each cell
-(:mod:`packgraph.bench_methods`), and optionally the attention micro-benchmark (:mod:`packgraph.bench_attention`).
+(:mod:`packgraph.bench.methods`), and optionally the attention micro-benchmark (:mod:`packgraph.bench.attention`).
 It writes, under ``--out`` (default ``bench/results/<YYYY-MM-DD>-<gpu-slug>/``):
 
 * ``results.json``: ``machine`` (GPU, driver, CPU, versions), ``runs`` (the exact argv of each run), ``streams``,
@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from packgraph.bench_data import MIXES, batch_stream, stream_stats
-from packgraph.bench_methods import ALL_METHODS, CUDA_ONLY_METHODS, METHODS, make_method, measure, release
-from packgraph.bench_report import (
+from packgraph.bench.data import MIXES, batch_stream, stream_stats
+from packgraph.bench.methods import ALL_METHODS, CUDA_ONLY_METHODS, METHODS, make_method, measure, release
+from packgraph.bench.report import (
     RECORD_FIELDS,
     check_targets,
     derive,
@@ -270,7 +270,7 @@ def save(doc: dict[str, Any], out: Path, *, plots: bool = False) -> None:
     tmp.replace(out / "results.json")
     (out / "results.md").write_text(results_markdown(doc))
     if plots:
-        from packgraph.bench_plots import plot_results
+        from packgraph.bench.plots import plot_results
 
         try:
             plot_results(doc, out)
@@ -384,7 +384,7 @@ def _run_one(model_name, T, mix, method, stream, policy, cfg, device, run) -> di
 
 
 def _run_attention(cfg: dict, doc: dict, out: Path, device: torch.device, progress: _Progress) -> None:
-    from packgraph.bench_attention import attention_benchmark, evaluate_ladders, recommend_ladder
+    from packgraph.bench.attention import attention_benchmark, evaluate_ladders, recommend_ladder
 
     att = cfg["attention"]
     progress.describe("attention micro-benchmark")

@@ -2,7 +2,7 @@
 
 Every method runs a full training step of the same :class:`~packgraph.models.gpt.GPT` (same seed, same weights):
 forward, backward, ``AdamW.step()``, ``zero_grad(set_to_none=True)``; bf16 autocast on CUDA, float32 on CPU.
-All of them consume the same stream of documents (:mod:`packgraph.bench_data`); they differ in what they feed
+All of them consume the same stream of documents (:mod:`packgraph.bench.data`); they differ in what they feed
 the model and what runs it:
 
 ===========================  ===============================================================================
@@ -44,7 +44,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import Tensor
 
-from packgraph.bench_data import doc_tokens
+from packgraph.bench.data import doc_tokens
 from packgraph.buckets import BucketPolicy
 from packgraph.data.corpus import PAD_ID
 from packgraph.models.gpt import GPT, masked_mean_ce

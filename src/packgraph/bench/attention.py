@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from packgraph.bench_data import batch_stream
+from packgraph.bench.data import batch_stream
 from packgraph.buckets import BucketPolicy, default_buckets
 from packgraph.ops import varlen_attention
 from packgraph.params import PackedSeqParams
