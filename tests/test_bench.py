@@ -1,7 +1,9 @@
 """The benchmark harness: the CPU dry run end to end, the padded baseline, the streams, and the report logic."""
 
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,10 +12,22 @@ from packgraph.bench import run as bench
 from packgraph.bench.attention import evaluate_ladders, recommend_ladder
 from packgraph.bench.data import batch_stream, doc_tokens, stream_stats
 from packgraph.bench.methods import kernel_class, padded_batch, padded_loss, short_kernel_name
-from packgraph.bench.report import busy_delta, check_targets, derive, kernel_class_table, readme_table, results_markdown
+from packgraph.bench.report import busy_delta, derive, kernel_class_table, readme_table, results_markdown
 from packgraph.buckets import default_buckets
 from packgraph.models.gpt import GPT, GPTConfig
 from packgraph.packing import PackedBatch
+
+
+def _load_targets():
+    """The repository's ``bench/targets.py``, by path (it is not part of the package, nor importable)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "targets.py"
+    spec = importlib.util.spec_from_file_location("bench_targets", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_targets = _load_targets()
 
 # The schema a results.json record must follow (written out here, independently of the harness' own table).
 NUM = (int, float)
@@ -81,7 +95,8 @@ def test_dry_run_writes_well_formed_results(dry_run):
     out, argv, status = dry_run
     assert status == 0
     doc = json.loads((out / "results.json").read_text())
-    assert {"machine", "runs", "streams", "records", "attention", "attention_summary", "targets"} <= set(doc)
+    assert {"machine", "runs", "streams", "records", "attention", "attention_summary"} <= set(doc)
+    assert "targets" not in doc  # the goals are the repository's (bench/targets.py), not the package's
     machine = doc["machine"]
     for key in ("device", "cpu", "date", "torch", "python"):
         assert isinstance(machine[key], str) and machine[key]
@@ -130,7 +145,8 @@ def test_dry_run_writes_well_formed_results(dry_run):
         if (row["max_seqlen"], row["capacity"]) == (row["true_max"], row["num_seqs"]):
             assert row["ratio"] == pytest.approx(1.0)
     assert any(s["ladder"] == "default" for s in doc["attention_summary"])
-    assert len(doc["targets"]) >= 9 and all(t["met"] in (True, False, None) for t in doc["targets"])
+    verdicts = bench_targets.check_targets(out / "results.json")
+    assert len(verdicts) >= 9 and all(t["met"] in (True, False, None) for t in verdicts)
 
 
 def test_runs_append_and_replace(dry_run, tmp_path, monkeypatch):
@@ -150,11 +166,14 @@ def test_runs_append_and_replace(dry_run, tmp_path, monkeypatch):
     assert len(replaced) == 1 and replaced[0]["run"] == 1
     assert sum(r["run"] == 0 for r in doc["records"]) == len(before["records"]) - 1
     assert len(doc["attention"]) == len(before["attention"])
-    # gpu-check's closing table gets this run's record and every target verdict
+    # gpu-check's closing table gets this run's record (from the bench) and every target verdict (from
+    # bench/targets.py, which gpu-check runs after the bench)
     rows = [json.loads(line) for line in report.read_text().splitlines()]
     assert [r["name"] for r in rows if not r["name"].startswith("target")] == ["bench tiny T=128 short eager"]
     assert rows[0]["value"].startswith(f"{replaced[0]['step_ms']:.2f} ms")
-    assert sum(r["name"].startswith("target: ") for r in rows) == len(doc["targets"])
+    assert bench_targets.main([str(copy / "results.json"), "--report", str(report)]) == 0
+    rows = [json.loads(line) for line in report.read_text().splitlines()]
+    assert sum(r["name"].startswith("target: ") for r in rows) == len(bench_targets.check_targets(doc))
 
 
 def test_bad_flags_exit_with_a_message(capsys):
@@ -285,7 +304,7 @@ def test_targets_and_readme_table_from_results():
         _record("padded", 30.0, busy=20.0),
     ]
     doc = _doc(records)
-    targets = {t["target"]: t for t in check_targets(doc)}
+    targets = {t["target"]: t for t in bench_targets.check_targets(doc)}
     assert targets["small, T<=4096: packgraph step <= 1.15x GPU-busy"]["met"] is True
     assert targets["small, T<=4096: packgraph-model step <= 1.05x GPU-busy"]["met"] is False
     assert "1.11x" in targets["small, T<=4096: packgraph-model step <= 1.05x GPU-busy"]["detail"]
@@ -355,7 +374,7 @@ def test_busy_split_drives_step_over_busy_and_the_busy_target_detail():
     assert eager["step_over_busy"] == pytest.approx(20.0 / 4.0)  # no profiled-batch mean: the median step
     assert busy_delta(pg, eager) == "attention fwd +0.300, elementwise +0.100, gemm +0.000 ms"
     assert busy_delta(pg, _record("eager", 20.0, busy=4.0)) == ""  # no split, no explanation
-    busy = next(t for t in check_targets(doc) if t["target"].startswith("GPU-busy under default buckets"))
+    busy = next(t for t in bench_targets.check_targets(doc) if t["target"].startswith("GPU-busy under default buckets"))
     assert busy["met"] is False  # 4.4 / 4.0 = 1.1x
     assert busy["detail"] == (
         "small T=2048 corpus: busy 4.40 / 4.00 ms = 1.100x eager (attention fwd +0.300, elementwise +0.100, "

@@ -6,8 +6,8 @@ It writes, under ``--out`` (default ``bench/results/<YYYY-MM-DD>-<gpu-slug>/``):
 
 * ``results.json``: ``machine`` (GPU, driver, CPU, versions), ``runs`` (the exact argv of each run), ``streams``,
   ``records`` (one per model x T x mix x method), ``attention`` rows, ``attention_summary`` and
-  ``attention_recommendation``, ``targets``;
-* ``results.md``: the tables and the met / not-met target lines;
+  ``attention_recommendation``;
+* ``results.md``: the tables;
 * ``step_ms.png`` and ``attention.png`` when matplotlib is installed.
 
 Runs **append**: a later run into the same directory replaces records with the same (model, T, mix, method)
@@ -46,9 +46,7 @@ from packgraph.bench.data import MIXES, batch_stream, stream_stats
 from packgraph.bench.methods import ALL_METHODS, CUDA_ONLY_METHODS, METHODS, make_method, measure, release
 from packgraph.bench.report import (
     RECORD_FIELDS,
-    check_targets,
     derive,
-    format_targets,
     readme_table,
     record_key,
     results_markdown,
@@ -57,7 +55,7 @@ from packgraph.bench.report import (
 from packgraph.buckets import default_buckets
 from packgraph.models.gpt import GPT, GPTConfig
 
-__all__ = ["PRESETS", "check_targets", "machine_info", "main", "readme_table", "run_bench"]
+__all__ = ["PRESETS", "machine_info", "main", "readme_table", "run_bench"]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": dict(
@@ -261,9 +259,11 @@ def _attention_key(r: dict) -> tuple:
 
 
 def save(doc: dict[str, Any], out: Path, *, plots: bool = False) -> None:
-    """Recompute the derived figures and targets, then write results.json, results.md (and the plots)."""
+    """Recompute the derived figures, then write results.json, results.md (and the plots)."""
     derive(doc["records"])
-    doc["targets"] = check_targets(doc)
+    # the goals are evaluated outside the package (bench/targets.py): verdicts kept from an older results.json
+    # would not follow the records this run replaces
+    doc.pop("targets", None)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=False, default=str) + "\n")
@@ -415,8 +415,8 @@ def _run_attention(cfg: dict, doc: dict, out: Path, device: torch.device, progre
 def publish_report(
     path: Path, records: Sequence[dict[str, Any]], doc: dict[str, Any], *, attention: bool = True
 ) -> None:
-    """Append this run's records (and its attention ladder when ``attention``) and the target verdicts to
-    ``scripts/gpu-check``'s report (JSON lines)."""
+    """Append this run's records (and its attention ladder when ``attention``) to ``scripts/gpu-check``'s report
+    (JSON lines)."""
     rows = []
     for r in records:
         if r["status"] != "ok":
@@ -433,9 +433,6 @@ def publish_report(
     for T, rec in (doc.get("attention_recommendation") or {}).items() if attention else ():
         value = "none within 1.10x" if rec is None else f"{rec['max_seqlen_ladder']} x {rec['capacity_ladder']}"
         rows.append({"name": f"bench attention T={T}: ladder within 1.10x, fewest buckets", "value": value})
-    verdict = {True: "met", False: "NOT met", None: "not measured"}
-    for t in doc.get("targets", []):
-        rows.append({"name": f"target: {t['target']}", "value": f"{verdict[t['met']]} ({t['detail'][:160]})"})
     with path.open("a") as f:
         for row in rows:
             f.write(json.dumps({"test": "packgraph bench", **row, "unit": ""}) + "\n")
@@ -581,7 +578,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = run_bench(cfg, out, argv, device)
     records = [r for r in doc["records"] if r.get("run") == len(doc["runs"]) - 1]
     print(results_table(records))
-    print("\nTargets:\n" + format_targets(doc["targets"]))
     print(f"\nwrote {out}/results.json and results.md in {time.perf_counter() - started:.0f} s")
     if os.environ.get("PACKGRAPH_REPORT"):
         publish_report(Path(os.environ["PACKGRAPH_REPORT"]), records, doc, attention=cfg["run_attention"])
