@@ -11,7 +11,8 @@ import torch
 from packgraph.bench import run as bench
 from packgraph.bench.attention import evaluate_ladders, recommend_ladder
 from packgraph.bench.data import batch_stream, doc_tokens, stream_stats
-from packgraph.bench.methods import kernel_class, padded_batch, padded_loss, short_kernel_name
+from packgraph.bench.padded import padded_batch, padded_loss
+from packgraph.bench.profiling import kernel_class, short_kernel_name
 from packgraph.bench.report import busy_delta, derive, kernel_class_table, readme_table, results_markdown
 from packgraph.buckets import default_buckets
 from packgraph.models.gpt import GPT, GPTConfig

@@ -62,7 +62,7 @@ def test_compiled_model_captured_with_scope_model_equals_compiled_eager(report):
 
 _PROFILE_SCRIPT = """
 import json, torch
-from packgraph.bench.methods import gpu_busy_ms
+from packgraph.bench.profiling import gpu_busy_ms
 a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
 calls = []
 def step(i):

@@ -228,7 +228,7 @@ def attention_table(summary: Iterable[Mapping[str, Any]]) -> str:
 
 def kernel_class_table(records: Iterable[Mapping[str, Any]]) -> str:
     """Markdown table: each profiled record's kernel time per step split by kernel class (see
-    ``packgraph.bench.methods.KERNEL_CLASSES``), memcpy/memset included as their own class."""
+    ``packgraph.bench.profiling.KERNEL_CLASSES``), memcpy/memset included as their own class."""
     profiled = [r for r in sort_records(records) if r.get("gpu_busy_by_class")]
     totals: dict[str, float] = {}
     for r in profiled:

@@ -43,7 +43,8 @@ from typing import Any
 import torch
 
 from packgraph.bench.data import MIXES, batch_stream, stream_stats
-from packgraph.bench.methods import ALL_METHODS, CUDA_ONLY_METHODS, METHODS, make_method, measure, release
+from packgraph.bench.measure import measure, release
+from packgraph.bench.methods import ALL_METHODS, CUDA_ONLY_METHODS, METHODS, make_method
 from packgraph.bench.report import (
     RECORD_FIELDS,
     derive,
