@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from packgraph.bench import run as bench
+from packgraph.bench import main
 from packgraph.bench.attention import evaluate_ladders, recommend_ladder
 from packgraph.bench.data import batch_stream, doc_tokens, stream_stats
+from packgraph.bench.methods import METHODS
+from packgraph.bench.options import build_parser, resolve
 from packgraph.bench.padded import padded_batch, padded_loss
 from packgraph.bench.profiling import kernel_class, short_kernel_name
 from packgraph.bench.report import busy_delta, derive, kernel_class_table, readme_table, results_markdown
@@ -88,7 +90,7 @@ def _main_table_rows(md: str) -> list[list[str]]:
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = ["--dry-run", "--out", str(out), "--methods", "eager,padded,packgraph", "--steps", "2"]
-    status = bench.main(argv)
+    status = main(argv)
     return out, argv, status
 
 
@@ -159,7 +161,7 @@ def test_runs_append_and_replace(dry_run, tmp_path, monkeypatch):
     (copy / "results.json").write_text((out / "results.json").read_text())
     before = json.loads((copy / "results.json").read_text())
     argv = ["--dry-run", "--out", str(copy), "--methods", "eager", "--mixes", "short", "--steps", "2", "--no-attention"]
-    assert bench.main(argv) == 0
+    assert main(argv) == 0
     doc = json.loads((copy / "results.json").read_text())
     assert [run["argv"] for run in doc["runs"]] == [before["runs"][0]["argv"], argv]
     assert len(doc["records"]) == len(before["records"])  # replaced, not duplicated
@@ -179,7 +181,7 @@ def test_runs_append_and_replace(dry_run, tmp_path, monkeypatch):
 
 def test_bad_flags_exit_with_a_message(capsys):
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--dry-run", "--methods", "eager,warp-drive"])
+        main(["--dry-run", "--methods", "eager,warp-drive"])
     assert exc.value.code == 2
     assert "warp-drive" in capsys.readouterr().err
 
@@ -187,7 +189,7 @@ def test_bad_flags_exit_with_a_message(capsys):
 def test_cells_select_exactly_the_methods_asked_per_cell(tmp_path):
     argv = ["--dry-run", "--out", str(tmp_path), "--steps", "2", "--no-attention"]
     argv += ["--cell", "tiny:128:short:eager,padded", "--cell", "tiny:96:corpus:eager"]
-    assert bench.main(argv) == 0
+    assert main(argv) == 0
     doc = json.loads((tmp_path / "results.json").read_text())
     got = sorted((r["T"], r["mix"], r["method"]) for r in doc["records"])
     assert got == [(96, "corpus", "eager"), (128, "short", "eager"), (128, "short", "padded")]
@@ -195,7 +197,7 @@ def test_cells_select_exactly_the_methods_asked_per_cell(tmp_path):
 
 
 def test_cell_methods_keep_names_with_a_plus(capsys):
-    parser = bench.build_parser()
+    parser = build_parser()
     args = parser.parse_args(["--cell", "medium:8192:corpus:packgraph+compile,packgraph-model+compile"])
     assert args.cell == [["medium", 8192, "corpus", ["packgraph+compile", "packgraph-model+compile"]]]
     with pytest.raises(SystemExit):
@@ -204,16 +206,16 @@ def test_cell_methods_keep_names_with_a_plus(capsys):
 
 
 def test_standard_preset_is_the_issue_cells_and_narrows_by_flags():
-    parser = bench.build_parser()
-    cfg = bench.resolve(parser.parse_args(["--standard"]))
+    parser = build_parser()
+    cfg = resolve(parser.parse_args(["--standard"]))
     cells = {(m, T, mix): methods for m, T, mix, methods in cfg["cells"]}
-    assert set(cells["small", 2048, "corpus"]) == set(bench.METHODS)  # every method where the references are
+    assert set(cells["small", 2048, "corpus"]) == set(METHODS)  # every method where the references are
     assert {"packgraph-model+compile", "compile-ro"} <= set(cells["medium", 8192, "corpus"])
     assert {"small", "medium"} == set(cfg["models"]) and {"corpus", "short", "long", "buckets"} == set(cfg["mixes"])
     assert {"eager", "packgraph"} <= set(cells["small", 2048, "buckets"])  # the tour of every bucket
     # the cells the targets need run first: a time limit cuts the tail
     assert [c[:3] for c in cfg["cells"][:2]] == [["small", 2048, "corpus"], ["medium", 8192, "corpus"]]
-    narrowed = bench.resolve(parser.parse_args(["--standard", "--models", "medium", "--methods", "eager,compile-ro"]))
+    narrowed = resolve(parser.parse_args(["--standard", "--models", "medium", "--methods", "eager,compile-ro"]))
     assert narrowed["cells"] == [["medium", 8192, "corpus", ["eager", "compile-ro"]]]
     with pytest.raises(SystemExit):
         parser.parse_args(["--cell", "tiny:x:short"])
@@ -451,7 +453,7 @@ def test_time_limit_skips_the_units_not_started_and_still_writes_the_results(tmp
     # A limit already passed when the matrix starts: every unit is recorded as skipped (none is lost from the
     # JSON, none is measured), and the table and the JSON are written as after a complete run.
     argv = ["--dry-run", "--out", str(tmp_path), "--methods", "eager,padded", "--no-attention", "--time-limit-s", "0"]
-    status = bench.main(argv)
+    status = main(argv)
     assert status == 1  # nothing was measured
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["runs"][0]["config"]["time_limit_s"] == 0 and doc["runs"][0]["finished"]

@@ -1,8 +1,9 @@
 """``packgraph bench``: packgraph against eager, torch.compile and padded batching, measured side by side.
 
 A run measures a matrix of cells (GPT preset x tokens per step ``T`` x length mix), every method in each cell
-(:mod:`packgraph.bench.methods`), and optionally the attention micro-benchmark (:mod:`packgraph.bench.attention`).
-It writes, under ``--out`` (default ``bench/results/<YYYY-MM-DD>-<gpu-slug>/``):
+(:mod:`packgraph.bench.methods`, measured by :mod:`packgraph.bench.measure`), and optionally the attention
+micro-benchmark (:mod:`packgraph.bench.attention`). It writes, under ``--out`` (default
+``bench/results/<YYYY-MM-DD>-<gpu-slug>/``):
 
 * ``results.json``: ``machine`` (GPU, driver, CPU, versions), ``runs`` (the exact argv of each run), ``streams``,
   ``records`` (one per model x T x mix x method), ``attention`` rows, ``attention_summary`` and
@@ -15,12 +16,13 @@ and keeps the rest, so the full matrix can be measured in parts (``--models``, `
 ``--methods``). Results are saved after every method, so a run that is killed keeps what it measured.
 A method that fails records its error string; the matrix goes on.
 
-Presets: ``--quick`` (what ``scripts/gpu-check`` runs: small, T=2048, corpus, the key methods, a reduced
-attention sweep; a few minutes on an H200), ``--standard`` (the committed H200 run: chosen cells of the full
-matrix, each with its own methods, and the attention sweep at T=8192 and 16384; about 9 minutes), ``--full``
-(the issue's whole matrix; add ``--attention`` once for its sweep), ``--dry-run`` (a tiny CPU matrix with
-``perf_counter`` timing that exercises the harness end to end). ``--cell MODEL:T:MIX[:METHOD,...]`` (repeatable)
-measures exactly the cells named; on a cell preset, ``--models``/``--T``/``--mixes``/``--methods`` narrow it.
+Presets (:mod:`packgraph.bench.presets`; the flags: :mod:`packgraph.bench.options`): ``--quick`` (what
+``scripts/gpu-check`` runs: small, T=2048, corpus, the key methods, a reduced attention sweep; a few minutes on an
+H200), ``--standard`` (the committed H200 run: chosen cells of the full matrix, each with its own methods, and the
+attention sweep at T=8192 and 16384; about 9 minutes), ``--full`` (the issue's whole matrix; add ``--attention``
+once for its sweep), ``--dry-run`` (a tiny CPU matrix with ``perf_counter`` timing that exercises the harness end
+to end). ``--cell MODEL:T:MIX[:METHOD,...]`` (repeatable) measures exactly the cells named; on a cell preset,
+``--models``/``--T``/``--mixes``/``--methods`` narrow it.
 """
 
 from __future__ import annotations
@@ -29,9 +31,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
-import re
-import subprocess
 import sys
 import time
 import traceback
@@ -42,154 +41,16 @@ from typing import Any
 
 import torch
 
-from packgraph.bench.data import MIXES, batch_stream, stream_stats
+from packgraph.bench.data import batch_stream, stream_stats
+from packgraph.bench.machine import default_out_dir, machine_info
 from packgraph.bench.measure import measure, release
-from packgraph.bench.methods import ALL_METHODS, CUDA_ONLY_METHODS, METHODS, make_method
-from packgraph.bench.report import (
-    RECORD_FIELDS,
-    derive,
-    readme_table,
-    record_key,
-    results_markdown,
-    results_table,
-)
+from packgraph.bench.methods import CUDA_ONLY_METHODS, make_method
+from packgraph.bench.options import build_parser, resolve
+from packgraph.bench.report import RECORD_FIELDS, derive, record_key, results_markdown, results_table
 from packgraph.buckets import default_buckets
 from packgraph.models.gpt import GPT, GPTConfig
 
-__all__ = ["PRESETS", "machine_info", "main", "readme_table", "run_bench"]
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "quick": dict(
-        models=["small"],
-        T=[2048],
-        mixes=["corpus"],
-        methods=["eager", "padded", "packgraph", "packgraph-model", "compile-ro", "compile-ro-raw"],
-        steps=20,
-        warmup=3,
-        graph_batches=50,
-        graph_budget_s=10.0,
-        attention=dict(T=[8192], mixes=["corpus", "short"], head_dims=[64, 128], heads=16, packings=3, reps=5),
-        max_corpus_docs=None,
-    ),
-    "full": dict(
-        models=["small", "medium", "large"],
-        T=[2048, 8192, 16384],
-        mixes=list(MIXES),
-        methods=list(METHODS),
-        steps=20,
-        warmup=3,
-        graph_batches=200,
-        graph_budget_s=60.0,
-        attention=dict(T=[8192, 16384], mixes=list(MIXES), head_dims=[64, 128], heads=16, packings=6, reps=10),
-        max_corpus_docs=None,
-    ),
-    # The committed H200 run (one invocation, under 10 minutes): every method where the issue's reference figures
-    # are (small T=2048, medium T=8192), the packed methods on every mix. Cells run in this order, the ones the
-    # targets need first, so that a slow host's time limit cuts the tail. The large model is in --full only: its
-    # two records took 34 s (eager) and more on 2026-11-29, when the preset missed its 10 minutes twice.
-    "standard": dict(
-        methods=list(METHODS),
-        cells=[
-            ["small", 2048, "corpus", list(METHODS)],
-            # the GPU-bound cell: the compiled whole model captured by packgraph against compile-RO
-            ["medium", 8192, "corpus", ["eager", "packgraph", "packgraph-model+compile", "compile-ro"]],
-            ["small", 2048, "short", ["eager", "padded", "packgraph", "packgraph-model"]],
-            ["small", 2048, "long", ["eager", "padded", "packgraph", "packgraph-model"]],
-            ["small", 8192, "corpus", ["eager", "padded", "packgraph"]],
-            # a stream that visits every bucket of the ladder: memory and captures at their worst
-            ["small", 2048, "buckets", ["eager", "packgraph", "packgraph-model"]],
-        ],
-        steps=20,
-        warmup=3,
-        graph_batches=200,
-        # With 15 s and 3 packings the H200 run of 2026-11-29 reached its 9-minute limit before the last cell's
-        # graphed methods (about 90 s more); these lower values aim at one 10-minute device call
-        graph_budget_s=8.0,
-        attention=dict(T=[8192, 16384], mixes=list(MIXES), head_dims=[64, 128], heads=16, packings=2, reps=5),
-        max_corpus_docs=None,
-        # a safety net under the device's 600 s per command: units not started by then are recorded as skipped,
-        # and the run still writes its table and plots
-        time_limit_s=550.0,
-    ),
-    "dry-run": dict(
-        models=["tiny"],
-        T=[128],
-        mixes=["corpus", "short"],
-        methods=["eager", "padded"],
-        steps=3,
-        warmup=1,
-        graph_batches=0,
-        graph_budget_s=0.0,
-        attention=dict(T=[128], mixes=["short"], head_dims=[16], heads=2, packings=2, reps=2),
-        max_corpus_docs=48,
-    ),
-}
-
-
-# ---------------------------------------------------------------------------------------------- machine
-def _run(cmd: Sequence[str]) -> str | None:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out or None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info(device: torch.device) -> dict[str, Any]:
-    """GPU name and driver (when readable), CPU, date and the torch / triton / CUDA / Python versions."""
-    info: dict[str, Any] = {
-        "device": str(device),
-        "gpu": None,
-        "driver": None,
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": None,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-        if smi:
-            info["driver"] = smi.splitlines()[0].strip()
-        else:
-            try:
-                text = Path("/proc/driver/nvidia/version").read_text()
-                match = re.search(r"Kernel Module\s+(\S+)", text)
-                info["driver"] = match.group(1) if match else None
-            except OSError:
-                pass
-    return info
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
-
-
-def default_out_dir(device: torch.device, dry_run: bool) -> Path:
-    """``bench/results/<YYYY-MM-DD>-<gpu-slug>/`` (``cpu``, and ``-dry-run`` for dry runs)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    suffix = "-dry-run" if dry_run else ""
-    return Path("bench") / "results" / f"{dt.date.today().isoformat()}-{_slug(name)}{suffix}"
+__all__ = ["main", "publish_report", "run_bench", "save"]
 
 
 # ---------------------------------------------------------------------------------------------- progress
@@ -440,121 +301,13 @@ def publish_report(
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def _cell(text: str) -> list:
-    parts = text.split(":")
-    if len(parts) not in (3, 4) or not parts[1].isdigit():
-        raise argparse.ArgumentTypeError(f"expected MODEL:T:MIX[:METHOD,METHOD...], got {text!r}")
-    # commas, not "+": method names such as "packgraph+compile" contain a plus
-    methods = [m for m in parts[3].split(",") if m] if len(parts) == 4 else None
-    unknown = [m for m in methods or [] if m not in ALL_METHODS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown} in {text!r}; choose from {ALL_METHODS}")
-    return [parts[0], int(parts[1]), parts[2], methods]
-
-
-def _csv(kind):
-    def parse(text: str) -> list:
-        items = [kind(x) for x in text.split(",") if x.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError("expected a comma-separated list")
-        return items
-
-    return parse
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="packgraph bench",
-        description="Benchmark packgraph against eager, torch.compile and padded batching; write JSON, Markdown "
-        "and PNG under --out. Runs append to the same directory.",
-    )
-    preset = p.add_mutually_exclusive_group()
-    preset.add_argument("--quick", action="store_true", help="the gpu-check preset (default): small, T=2048, corpus")
-    preset.add_argument("--full", action="store_true", help="the full matrix: small/medium/large x 3 T x 3 mixes")
-    preset.add_argument(
-        "--standard", action="store_true", help="the committed H200 run: chosen cells of the full matrix (< 10 min)"
-    )
-    preset.add_argument("--dry-run", action="store_true", help="a tiny CPU matrix (perf_counter timing)")
-    p.add_argument("--out", type=Path, help="results directory (default bench/results/<date>-<gpu>/)")
-    p.add_argument("--models", type=_csv(str), help="GPT presets, e.g. small,medium")
-    p.add_argument("--T", type=_csv(int), help="tokens per step, e.g. 2048,8192")
-    p.add_argument("--mixes", type=_csv(str), help=f"length mixes from {','.join(MIXES)}")
-    p.add_argument("--methods", type=_csv(str), help=f"methods from {','.join(ALL_METHODS)}")
-    p.add_argument(
-        "--cell",
-        action="append",
-        type=_cell,
-        help="one cell MODEL:T:MIX[:METHOD,METHOD...] (repeatable; replaces the --models x --T x --mixes matrix)",
-    )
-    p.add_argument("--steps", type=int, help="timed steps per method (the median is reported)")
-    p.add_argument("--warmup", type=int, help="warm-up steps of methods without a graph/compile cache")
-    p.add_argument("--graph-batches", type=int, help="varied batches over which graphs are counted")
-    p.add_argument("--graph-budget-s", type=float, help="time cap of the graph-count phase per method")
-    p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler GPU-busy step")
-    p.add_argument(
-        "--time-limit-s", type=float, help="skip the units not started after this many seconds (they are recorded)"
-    )
-    att = p.add_mutually_exclusive_group()
-    att.add_argument(
-        "--attention", action="store_true", help="also run the attention micro-benchmark (default with --quick)"
-    )
-    att.add_argument("--attention-only", action="store_true", help="run only the attention micro-benchmark")
-    att.add_argument("--no-attention", action="store_true", help="skip the attention micro-benchmark")
-    p.add_argument("--attention-T", type=_csv(int), help="T values of the attention sweep")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", help="override the device (default: cuda when available; cpu for --dry-run)")
-    return p
-
-
-def resolve(args: argparse.Namespace) -> dict[str, Any]:
-    """The preset named by the flags, with every explicit flag applied over it.
-
-    Raises:
-        ValueError: an unknown model, mix or method, or a non-positive count.
-    """
-    name = "dry-run" if args.dry_run else "full" if args.full else "standard" if args.standard else "quick"
-    cfg = json.loads(json.dumps(PRESETS[name]))  # a deep copy
-    cfg["preset"] = name
-    cfg.setdefault("time_limit_s", None)
-    flags = ("models", "T", "mixes", "methods", "steps", "warmup", "graph_batches", "graph_budget_s", "time_limit_s")
-    for key in flags:
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
-    if args.cell:
-        cfg["cells"] = [[m, T, mix, methods or list(cfg["methods"])] for m, T, mix, methods in args.cell]
-    elif "cells" in cfg:  # a cell preset: --models / --T / --mixes / --methods narrow it
-        keep = {k: getattr(args, k) for k in ("models", "T", "mixes")}
-        cfg["cells"] = [
-            [m, T, mix, [x for x in methods if args.methods is None or x in args.methods]]
-            for m, T, mix, methods in cfg["cells"]
-            if all(v is None or c in v for c, v in zip((m, T, mix), keep.values(), strict=True))
-        ]
-        cfg["cells"] = [c for c in cfg["cells"] if c[3]]
-    else:
-        grid = [(m, T, mix) for T in cfg["T"] for mix in cfg["mixes"] for m in cfg["models"]]
-        cfg["cells"] = [[m, T, mix, list(cfg["methods"])] for m, T, mix in grid]
-    cfg["models"] = sorted({c[0] for c in cfg["cells"]})
-    cfg["T"] = sorted({c[1] for c in cfg["cells"]})
-    cfg["mixes"] = sorted({c[2] for c in cfg["cells"]})
-    cfg["methods"] = list(dict.fromkeys(m for c in cfg["cells"] for m in c[3]))
-    if args.attention_T:
-        cfg["attention"]["T"] = args.attention_T
-    if args.mixes:
-        cfg["attention"]["mixes"] = args.mixes  # (cfg["mixes"] is derived from the cells above)
-    cfg["seed"], cfg["profile"] = args.seed, not args.no_profile
-    # --quick and --dry-run include the attention sweep; --full runs it only when asked, since a full matrix is
-    # usually measured in parts and the sweep needs running once
-    cfg["run_attention"] = args.attention or args.attention_only or (name != "full" and not args.no_attention)
-    cfg["run_matrix"] = not args.attention_only
-    from packgraph.models.gpt import PRESETS as MODEL_PRESETS
-
-    for key, known in (("models", MODEL_PRESETS), ("mixes", MIXES), ("methods", ALL_METHODS)):
-        unknown = [x for x in cfg[key] if x not in known]
-        if unknown:
-            raise ValueError(f"unknown {key} {unknown}; choose from {','.join(known)}")
-    if cfg["steps"] < 1 or cfg["warmup"] < 0 or cfg["graph_batches"] < 0 or any(T < 1 for T in cfg["T"]):
-        raise ValueError("--steps must be >= 1, --warmup and --graph-batches >= 0, every T >= 1")
-    return cfg
+def _device(args: argparse.Namespace) -> torch.device:
+    """``--device``, else cuda when available (cpu for ``--dry-run``)."""
+    if args.device:
+        return torch.device(args.device)
+    if args.dry_run or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -566,12 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = resolve(args)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.device:
-        device = torch.device(args.device)
-    elif args.dry_run or not torch.cuda.is_available():
-        device = torch.device("cpu")
-    else:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _device(args)
     if device.type != "cuda" and not args.dry_run:
         print("warning: no CUDA device; CUDA-only methods are skipped and timings are CPU timings", file=sys.stderr)
     out = args.out or default_out_dir(device, args.dry_run)
