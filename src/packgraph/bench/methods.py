@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import re
 from collections.abc import Hashable
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 import torch._dynamo
 from torch import Tensor
+from torch._dynamo.utils import counters
 
 from packgraph.bench.padded import PaddedBatch, padded_batch, padded_loss
 from packgraph.buckets import BucketPolicy
@@ -72,7 +72,7 @@ CUDA_ONLY_METHODS: frozenset[str] = frozenset(
 
 def _adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
     kwargs: dict[str, Any] = dict(lr=1e-4, weight_decay=0.1)
-    if device.type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters:
+    if device.type == "cuda":
         kwargs["fused"] = True  # the fastest eager optimizer: the same for every method
     return torch.optim.AdamW(model.parameters(), **kwargs)
 
@@ -310,10 +310,6 @@ def make_method(name: str, model: GPT, policy: BucketPolicy, device: torch.devic
 
 
 def _dynamo_graphs() -> int:
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return 0
     return int(counters["stats"]["unique_graphs"])
 
 

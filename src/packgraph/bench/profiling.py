@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,18 +65,17 @@ def gpu_busy_ms(fn: Callable[[int], None], steps: int = 1, top: int = 12) -> Ker
 
     Device activity only. The kernel records are the same as with host activity, but a host+device profile
     also lists each ``record_function`` range as a device event spanning its kernels (AdamW's
-    ``Optimizer.step#AdamW.step``: 0.44 ms per step at ``small``, H200), which a sum over device events counts
-    on top of those kernels. Leaving out the host ops (thousands per eager step) also saves the seconds the
+    ``Optimizer.step#AdamW.step``, say: docs/bench.md), which a sum over device events counts on top of those
+    kernels. Leaving out the host ops (thousands per eager step) also saves the seconds the
     profiler spends building their event tree.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    # One profiling cycle, read after it ends: acc_events keeps its events for that read (torch >= 2.10 warns,
-    # at the read, that a cycle's events are cleared otherwise).
-    options = {"acc_events": True} if "acc_events" in inspect.signature(profile.__init__).parameters else {}
+    # One profiling cycle, read after it ends: acc_events keeps its events for that read (without it torch warns,
+    # at the read, that a cycle's events are cleared).
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA], **options) as prof:
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         for i in range(steps):
             fn(i)
         torch.cuda.synchronize()
