@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LOSS_TOLERANCE",
+    "METHOD_ORDER",
     "RECORD_FIELDS",
     "TABLE_COLUMNS",
     "attention_table",
@@ -92,7 +94,7 @@ LOSS_TOLERANCE = 0.02
 
 _MODEL_ORDER = ("tiny", "small", "medium", "large")
 _MIX_ORDER = ("corpus", "short", "long")
-_METHOD_ORDER = (
+METHOD_ORDER: tuple[str, ...] = (
     "eager",
     "packgraph",
     "packgraph-model",
@@ -104,6 +106,7 @@ _METHOD_ORDER = (
     "padded",
     "padded-mask",
 )
+"""The order of methods in every table and plot (columns of the README table)."""
 
 
 def _order(value: str, order: Sequence[str]) -> tuple[int, str]:
@@ -128,7 +131,7 @@ def sort_records(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]
             _order(r["model"], _MODEL_ORDER),
             r["T"],
             _order(r["mix"], _MIX_ORDER),
-            _order(r["method"], _METHOD_ORDER),
+            _order(r["method"], METHOD_ORDER),
         ),
     )
 
@@ -343,7 +346,7 @@ def readme_table(results_json: str | Path | Mapping[str, Any]) -> str:
     each cell ``step ms (speedup vs eager)``, plus packgraph's step/GPU-busy ratio."""
     doc = load_results(results_json)
     records = [r for r in doc.get("records", []) if r["status"] == "ok"]
-    methods = [m for m in _METHOD_ORDER if any(r["method"] == m for r in records)]
+    methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in records)]
     cells: dict[tuple, dict[str, Mapping[str, Any]]] = {}
     for r in sort_records(records):
         cells.setdefault(record_key(r)[:3], {})[r["method"]] = r
