@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from packgraph.bench_attention import time_attention
+from packgraph.bench.attention import time_attention
 from packgraph.params import PackedSeqParams
 
 

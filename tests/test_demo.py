@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from packgraph.bench_methods import KernelProfile
+from packgraph.bench.profiling import KernelProfile
 from packgraph.demo import (
     _capture_steps,
     _difference_line,

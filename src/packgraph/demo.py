@@ -15,7 +15,7 @@ In order:
 4. **Speed.** Each run's step time is the median, over the same steps of every run, of CUDA events (wall clock
    on the CPU): after a warm-up, leaving out the steps in which any graphed run captured graphs and the profiled
    steps. Beside each speedup stand the GPU-busy time per step (kernel time under ``torch.profiler``, the bench's
-   :func:`~packgraph.bench_methods.gpu_busy_ms`) over the last steps of every run, the step / busy ratio over
+   :func:`~packgraph.bench.profiling.gpu_busy_ms`) over the last steps of every run, the step / busy ratio over
    those same steps, and the time to the first step (captures included). Every run first trains up to those last
    steps, then the last steps of every run are profiled: no capture follows a profiler session in the process.
 
@@ -76,7 +76,7 @@ class _Run:
     cfg: TrainConfig
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     result: TrainResult | None = None
-    busy: Any = None  # bench_methods.KernelProfile of the profiled steps
+    busy: Any = None  # bench.profiling.KernelProfile of the profiled steps
     timed: bool = True  # a row of the step-time table (the control rerun is not)
 
 
@@ -234,7 +234,7 @@ def _train_all(
 
 def _profile(trainer: Trainer) -> Any:
     """The trainer's remaining steps under the bench's GPU-busy profiler."""
-    from packgraph.bench_methods import gpu_busy_ms  # CUDA only: keeps torch._dynamo out of a CPU demo
+    from packgraph.bench.profiling import gpu_busy_ms  # CUDA only: keeps torch._dynamo out of a CPU demo
 
     steps = trainer.cfg.steps - trainer.step_index
     return gpu_busy_ms(lambda _i: trainer.step(), steps=steps)

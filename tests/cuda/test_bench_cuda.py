@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from packgraph.bench_methods import make_method
+from packgraph.bench.methods import make_method
 from packgraph.buckets import default_buckets
 from packgraph.models.gpt import GPT, GPTConfig
 from packgraph.packing import PackedBatch
@@ -62,7 +62,7 @@ def test_compiled_model_captured_with_scope_model_equals_compiled_eager(report):
 
 _PROFILE_SCRIPT = """
 import json, torch
-from packgraph.bench_methods import gpu_busy_ms
+from packgraph.bench.profiling import gpu_busy_ms
 a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
 calls = []
 def step(i):

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from packgraph.bench_report import _METHOD_ORDER, record_key, sort_records
+from packgraph.bench.report import METHOD_ORDER, record_key, sort_records
 
 __all__ = ["have_matplotlib", "plot_attention", "plot_results", "plot_steps"]
 
@@ -36,7 +36,7 @@ def plot_steps(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
         return None
     plt = _pyplot()
     models = list(dict.fromkeys(r["model"] for r in ok))
-    methods = [m for m in _METHOD_ORDER if any(r["method"] == m for r in ok)]
+    methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in ok)]
     fig, axes = plt.subplots(len(models), 1, figsize=(max(8, 1.6 * len(ok) / len(models)), 4 * len(models)))
     axes = [axes] if len(models) == 1 else list(axes)
     colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}  # one color per method across panels

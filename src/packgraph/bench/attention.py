@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from packgraph.bench_data import batch_stream
+from packgraph.bench.data import batch_stream
 from packgraph.buckets import BucketPolicy, default_buckets
 from packgraph.ops import varlen_attention
 from packgraph.params import PackedSeqParams
@@ -67,7 +67,7 @@ def time_attention(
     times = []
     if q.is_cuda:
         # Time replays of a CUDA graph of fwd+bwd, as packgraph runs it: launched eagerly, this ~1 ms region is
-        # host-bound (a few dozen small kernels), so eager timings measured Python, not the kernels' grid cost.
+        # host-bound (a few dozen small kernels), so eager timings would measure Python, not the kernels' grid cost.
         side = torch.cuda.Stream(q.device)
         side.wait_stream(torch.cuda.current_stream(q.device))
         with torch.cuda.stream(side):

@@ -1,0 +1,53 @@
+"""The tables: the README table, step/busy from the busy split, the kernel-class table."""
+
+import pytest
+
+from packgraph.bench.report import busy_delta, kernel_class_table, readme_table, results_markdown
+from tests.bench.records import busy_split_cell, one_cell_records, record, results_doc
+
+
+def test_readme_table_from_results():
+    doc = results_doc(one_cell_records())
+    table = readme_table(doc).splitlines()
+    header = [c.strip() for c in table[2].strip("|").split("|")]
+    row = [c.strip() for c in table[4].strip("|").split("|")]
+    assert header[:4] == ["model", "T", "mix", "eager"]
+    cells = dict(zip(header, row, strict=True))
+    assert cells["eager"] == "20.00 ms"
+    assert cells["packgraph"] == "5.00 ms (4.00x)"  # 20 / 5
+    assert cells["padded"] == "30.00 ms (0.67x)"
+    assert cells["packgraph step/busy"] == f"{5.0 / 4.5:.2f}"
+    assert cells["packgraph memory / eager"] == "1.05 / -"  # peak allocated 1050 / 1000, no reserved figures
+    assert len(table) == 5  # caption, blank, header, rule, one cell
+
+
+def test_busy_split_drives_step_over_busy_and_the_kernel_class_table():
+    eager, pg = busy_split_cell()
+    doc = results_doc([eager, pg])
+    assert pg["step_over_busy"] == pytest.approx(4.84 / 4.4)
+    assert eager["step_over_busy"] == pytest.approx(20.0 / 4.0)  # no profiled-batch mean: the median step
+    assert busy_delta(pg, eager) == "attention fwd +0.300, elementwise +0.100, gemm +0.000 ms"
+    assert busy_delta(pg, record("eager", 20.0, busy=4.0)) == ""  # no split, no explanation
+    table = kernel_class_table(doc["records"]).splitlines()
+    assert [c.strip() for c in table[0].strip("|").split("|")] == [
+        "model",
+        "T",
+        "mix",
+        "method",
+        "steps",
+        "kernels/step",
+        "gemm",
+        "attention fwd",
+        "elementwise",
+        "memcpy/memset",
+    ]  # classes ordered by total time over the records
+    assert [c.strip() for c in table[3].strip("|").split("|")][3:] == [
+        "packgraph",
+        "8",
+        "2170",
+        "3.000",
+        "0.800",
+        "0.600",
+        "0.300",
+    ]
+    assert "## GPU-busy by kernel class" in results_markdown(doc)

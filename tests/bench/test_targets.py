@@ -1,0 +1,38 @@
+"""The repository's goals (``bench/targets.py``, loaded by path): verdicts from chosen records and from a dry run."""
+
+from tests.bench.records import busy_split_cell, load_targets, one_cell_records, results_doc
+
+bench_targets = load_targets()
+
+
+def test_dry_run_has_a_verdict_for_every_target(dry_run):
+    out, _, _ = dry_run
+    verdicts = bench_targets.check_targets(out / "results.json")
+    assert len(verdicts) >= 9 and all(t["met"] in (True, False, None) for t in verdicts)
+
+
+def test_targets_from_results():
+    doc = results_doc(one_cell_records())
+    targets = {t["target"]: t for t in bench_targets.check_targets(doc)}
+    assert targets["small, T<=4096: packgraph step <= 1.15x GPU-busy"]["met"] is True
+    assert targets["small, T<=4096: packgraph-model step <= 1.05x GPU-busy"]["met"] is False
+    assert "1.11x" in targets["small, T<=4096: packgraph-model step <= 1.05x GPU-busy"]["detail"]
+    assert targets["GPU-busy under default buckets <= 1.02x eager's (true max_seqlen)"]["met"] is False  # 4.5 / 4.0
+    assert targets["steady step <= torch.compile reduce-overhead (best packgraph variant)"]["met"] is True
+    assert targets["first step >= 10x faster than compile reduce-overhead"]["met"] is True  # 15 s vs 1 s
+    assert targets["<= 8 graphs over the varied batches (200 in a full run)"]["met"] is True
+    assert targets["packgraph peak allocated <= 1.00x eager, every cell and method"]["met"] is False  # 1.05x
+    assert "1.05x" in targets["packgraph peak allocated <= 1.00x eager, every cell and method"]["detail"]
+    assert targets["packed+graphed tokens/s >= 2x padded eager on the corpus mix"]["met"] is True  # 30 / 5 = 6x
+    assert targets["attention under default buckets <= 1.10x eager true-max time, every mix"]["met"] is None
+
+
+def test_busy_target_detail_names_the_kernel_classes_that_differ():
+    eager, pg = busy_split_cell()
+    doc = results_doc([eager, pg])
+    busy = next(t for t in bench_targets.check_targets(doc) if t["target"].startswith("GPU-busy under default buckets"))
+    assert busy["met"] is False  # 4.4 / 4.0 = 1.1x
+    assert busy["detail"] == (
+        "small T=2048 corpus: busy 4.40 / 4.00 ms = 1.100x eager (attention fwd +0.300, elementwise +0.100, "
+        "gemm +0.000 ms)"
+    )
