@@ -1,5 +1,5 @@
 """Eager autograd is the spec, on the GPU: every case compares real CUDA graphs with the eager module on the same
-inputs (the CPU stand-in runs the same cases in tests/test_autograd_exact.py).
+inputs (the CPU stand-in runs the same cases in tests/graphs/test_autograd_exact.py).
 
 Reference layer and tolerances as in test_graphs_cuda.py: ``Block`` in bf16, d=256, T=1024; forward within 1e-2,
 each grad within 2e-2 of its eager max (FlashAttention's backward accumulates with atomics). ``.grad is None`` is

@@ -1,6 +1,6 @@
 """Data parallelism on CPU with gloo: 2 ranks reproduce single-process gradients on the union of their batches.
 
-Also run as a module by the launch test: ``python -m tests.test_distributed_dp --probe DIR`` joins the group
+Also run as a module by the launch test: ``python -m tests.distributed.test_dp --probe DIR`` joins the group
 through :func:`init_distributed` (inside torchrun) and writes what it saw to ``DIR/rank<r>.json``.
 """
 
@@ -32,7 +32,7 @@ from packgraph.distributed import (
 from packgraph.models.gpt import GPT, GPTConfig
 from packgraph.packing import PackedBatch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------------- one process
@@ -169,7 +169,7 @@ def test_dp_two_ranks_equal_single_process_on_the_union():
 
 def test_launch_runs_torchrun_and_init_distributed(tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    code = launch(2, ["--probe", str(tmp_path)], module="tests.test_distributed_dp", subcommand=None, env=env)
+    code = launch(2, ["--probe", str(tmp_path)], module="tests.distributed.test_dp", subcommand=None, env=env)
     assert code == 0
     seen = sorted((json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)), key=lambda d: d["rank"])
     assert [d["rank"] for d in seen] == [0, 1]
