@@ -1,14 +1,10 @@
 """Static-metadata buckets: which static ``(max_seqlen, capacity)`` a packed batch runs with.
 
-A captured graph is valid for one static signature, and two parts of that signature change with the packing:
-``max_seqlen`` (attention kernels size their launch grid from it) and the capacity (the shape of ``cu_seqlens``).
-Running every batch at the worst case (``max_seqlen = T``, a huge capacity) needs one graph but makes attention do
-wasted work; running each at its exact values needs a graph per batch. A :class:`BucketPolicy` sits in between:
-two short ladders, and each batch takes the smallest rung of each that fits, so there are few graphs and little
-waste.
-
-:meth:`BucketPolicy.apply` re-pads a batch's params to its bucket on the device without a host sync, so it can run
-right before a graph replay.
+A captured graph bakes in two values that change with the packing: ``max_seqlen`` (attention kernels size their
+launch grid from it) and the capacity (the shape of ``cu_seqlens``). A :class:`BucketPolicy` holds two short ladders
+of them; each batch takes the smallest rung of each that fits, so a few graphs serve every batch, and attention does
+little more work than at the batch's exact values. :meth:`BucketPolicy.apply` re-pads a batch's params to its bucket
+on the device without a host sync, so it can run right before a graph replay.
 """
 
 from __future__ import annotations
@@ -185,10 +181,8 @@ def default_buckets(total_tokens: int) -> BucketPolicy:
       documents ``total_tokens`` rows can hold, one token each). Rungs past 512 serve only batches of that many
       documents; a graph is captured for one only when such a batch comes.
 
-    FlashAttention launches ``ceil(max_seqlen / 128) x capacity x heads`` blocks, so both rungs must stay close to
-    the batch: each ghost slot is a few empty blocks, each rung of slack in max_seqlen a wider grid. The rungs come
-    from measurements on the H200 (``packgraph bench --attention-only`` and ``bench/capacity_rung.py``); the
-    figures and the ladders tried are in ``docs/buckets.md``.
+    Both ladders stay close to the batch because FlashAttention's grid grows with both (a ghost slot, or a rung of
+    max_seqlen slack, is empty blocks). The measurements behind the rungs are in ``docs/buckets.md``.
     """
     if total_tokens < 1:
         raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")

@@ -19,14 +19,21 @@ Field names follow Megatron-LM's ``megatron.core.packed_seq_params.PackedSeqPara
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from packgraph import params_validation
+
+# Defined by concern in their own modules; user code, the engine and the integrations import them from here.
+from packgraph.host_offsets import HostOffsets
+from packgraph.host_offsets import _version_of as _version_of
+from packgraph.params_types import ParamsType, params_type_of, register_params_type
+from packgraph.params_validation import KNOWN_QKV_FORMATS, PackedSeqParamsError
+from packgraph.static_signature import DYNAMIC_FIELDS, GroupIdentity, StaticSignature, TensorSpec
 
 __all__ = [
     "DYNAMIC_FIELDS",
@@ -43,136 +50,8 @@ __all__ = [
     "slot_of_rows",
 ]
 
-DYNAMIC_FIELDS: tuple[str, ...] = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-"""The tensor fields that are graph inputs. Their values change per batch; their shapes are static."""
-
 MAMBA_FIELDS: tuple[str, ...] = ("total_tokens", "seq_idx")
 """Fields only Mamba layers read. They never cross an attention graph boundary (see ``attention_view``)."""
-
-KNOWN_QKV_FORMATS: tuple[str, ...] = ("thd",)
-"""Packed layouts packgraph runs. Megatron's ``sbhd``/``bshd`` are padded layouts, not packed ones."""
-
-_PADDED_TWIN = {"cu_seqlens_q_padded": "cu_seqlens_q", "cu_seqlens_kv_padded": "cu_seqlens_kv"}
-_MAX_SEQLEN_OF = {"cu_seqlens_q": "max_seqlen_q", "cu_seqlens_kv": "max_seqlen_kv"}
-
-
-class PackedSeqParamsError(ValueError):
-    """A PackedSeqParams breaks the contract. ``field`` names the culprit and ``rule`` the broken rule."""
-
-    def __init__(self, field: str, rule: str, detail: str = "") -> None:
-        self.field = field
-        self.rule = rule
-        self.detail = detail
-        msg = f"PackedSeqParams.{field}: {rule}"
-        super().__init__(f"{msg} ({detail})" if detail else msg)
-
-
-@dataclass(frozen=True)
-class GroupIdentity:
-    """Hashes and compares a process group (or any object) by identity, so it can sit in a signature."""
-
-    obj: Any
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, GroupIdentity) and other.obj is self.obj
-
-    def __repr__(self) -> str:
-        if self.obj is None:
-            return "None"
-        name = getattr(self.obj, "group_name", None) or type(self.obj).__name__
-        return f"<group {name} @ {id(self.obj):#x}>"
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Presence, shape, dtype and device of one optional tensor field."""
-
-    present: bool
-    shape: tuple[int, ...] | None = None
-    dtype: torch.dtype | None = None
-    device: str | None = None
-
-    @classmethod
-    def of(cls, t: Tensor | None) -> TensorSpec:
-        if t is None:
-            return cls(False)
-        return cls(True, tuple(t.shape), t.dtype, str(t.device))
-
-    def __repr__(self) -> str:
-        if not self.present:
-            return "absent"
-        return f"{self.dtype}{list(self.shape)}@{self.device}"
-
-
-@dataclass(frozen=True)
-class StaticSignature:
-    """Everything about a PackedSeqParams that a captured graph bakes in. Hashable; compare with ``==``.
-
-    ``tensors`` maps each dynamic field (and ``seq_idx``) to its :class:`TensorSpec`; a field's shape fixes
-    its capacity.
-    """
-
-    qkv_format: str
-    max_seqlen_q: int | None
-    max_seqlen_kv: int | None
-    local_cp_size: int | None
-    cp_group: GroupIdentity
-    total_tokens: int | None
-    tensors: tuple[tuple[str, TensorSpec], ...]
-
-    @property
-    def capacity(self) -> int | None:
-        spec = dict(self.tensors).get("cu_seqlens_q")
-        return spec.shape[0] - 1 if spec is not None and spec.present else None
-
-    def diff(self, other: StaticSignature) -> list[tuple[str, Any, Any]]:
-        """``[(field, self_value, other_value), ...]`` for every field that differs."""
-        out = []
-        for f in dataclasses.fields(self):
-            if f.name == "tensors":
-                mine, theirs = dict(self.tensors), dict(other.tensors)
-                for name in sorted(set(mine) | set(theirs)):
-                    a, b = mine.get(name, TensorSpec(False)), theirs.get(name, TensorSpec(False))
-                    if a != b:
-                        out.append((name, a, b))
-                continue
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if a != b:
-                out.append((f.name, a, b))
-        return out
-
-
-class HostOffsets(dict):
-    """Host copies of offset tensors (field name -> tuple of ints), bound to the tensors they were read from.
-
-    Each field remembers which tensor object it describes (weakly) and that tensor's autograd ``_version`` then.
-    The copies describe a field only while it still holds that very tensor at that version:
-    :meth:`PackedSeqParams.current_host_offsets` stops trusting them after a reassignment (even of a tensor of the
-    same length) or an in-place write (``cu_seqlens_q.copy_(...)`` bumps the version), and never trusts them for an
-    inference tensor, which has no version to tell an in-place write by.
-    """
-
-    def __init__(self, offsets: Mapping[str, Sequence[int]], tensors: Mapping[str, Tensor]) -> None:
-        super().__init__({name: tuple(offs) for name, offs in offsets.items()})
-        self.sources = {name: (weakref.ref(t), _version_of(t)) for name, t in tensors.items()}
-
-    def describes(self, name: str, t: Tensor) -> bool:
-        """Whether the copy of field ``name`` is still the value of ``t``."""
-        source = self.sources.get(name)
-        if source is None:
-            return False
-        ref, version = source
-        return ref() is t and version is not None and _version_of(t) == version
-
-
-def _version_of(t: Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors track no version
-        return None
 
 
 @dataclass(eq=False)
@@ -216,12 +95,9 @@ class PackedSeqParams:
             self.host_offsets = HostOffsets(self.host_offsets, tensors)
 
     def current_host_offsets(self) -> Mapping[str, tuple[int, ...]] | None:
-        """``host_offsets`` if they still describe every tensor field they cover, else None.
-
-        They describe a field only while it holds the very tensor they were read from, at the autograd version it
-        had then (see :class:`HostOffsets`): a field assigned directly (not through :meth:`replace`), an in-place
-        write, or an inference tensor (no version) makes them stale, and the params then count as device-only.
-        """
+        """``host_offsets`` if they still describe every tensor field they cover, else None (the params then count
+        as device-only). A field assigned directly (not through :meth:`replace`), an in-place write, or an inference
+        tensor makes them stale (:class:`HostOffsets`)."""
         host = self.host_offsets
         if host is None:
             return None
@@ -278,26 +154,23 @@ class PackedSeqParams:
         ghost_slots = capacity - len(lengths)
         offsets = _offsets(lengths, ghost_slots)
         host = {"cu_seqlens_q": offsets, "cu_seqlens_kv": offsets}
+        padded = None
         if pad_to_multiple > 1:
             padded = _offsets([-(-n // pad_to_multiple) * pad_to_multiple for n in lengths], ghost_slots)
             host.update(cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
-        end = host.get("cu_seqlens_q_padded", offsets)[-1]
         if total_tokens is None:
-            total_tokens = end
-        true_max = max(lengths, default=0)
+            total_tokens = (offsets if padded is None else padded)[-1]
         if max_seqlen is None:
-            max_seqlen = max(true_max, 1)
-        tensors = {}
-        for name in ("cu_seqlens_q", "cu_seqlens_q_padded"):
-            if name in host:
-                tensors[name] = torch.tensor(host[name], dtype=torch.int32, device=device)
+            max_seqlen = max(max(lengths, default=0), 1)
+        cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+        cu_padded = None if padded is None else torch.tensor(padded, dtype=torch.int32, device=device)
         # q and kv share one tensor for self-attention: one buffer, one copy at replay.
         params = cls(
             qkv_format="thd",
-            cu_seqlens_q=tensors["cu_seqlens_q"],
-            cu_seqlens_kv=tensors["cu_seqlens_q"],
-            cu_seqlens_q_padded=tensors.get("cu_seqlens_q_padded"),
-            cu_seqlens_kv_padded=tensors.get("cu_seqlens_q_padded"),
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu_padded,
+            cu_seqlens_kv_padded=cu_padded,
             max_seqlen_q=int(max_seqlen),
             max_seqlen_kv=int(max_seqlen),
             total_tokens=int(total_tokens),
@@ -350,6 +223,7 @@ class PackedSeqParams:
 
     @property
     def device(self) -> torch.device:
+        """The device of the tensor fields (``cu_seqlens_q``'s)."""
         return self.cu_seqlens_q.device
 
     def layout_offsets(self, which: str = "q") -> Tensor:
@@ -470,110 +344,8 @@ class PackedSeqParams:
         Raises:
             PackedSeqParamsError: naming the field and the broken rule.
         """
-        if self.qkv_format not in KNOWN_QKV_FORMATS:
-            raise PackedSeqParamsError(
-                "qkv_format", "unknown format", f"{self.qkv_format!r}; packed layouts supported: {KNOWN_QKV_FORMATS}"
-            )
-        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
-            if getattr(self, name) is None:
-                raise PackedSeqParamsError(name, "required for qkv_format='thd'")
-        ref_device = self.cu_seqlens_q.device if isinstance(self.cu_seqlens_q, Tensor) else None
-        present = self.graph_inputs()
-        for name in DYNAMIC_FIELDS:
-            t = getattr(self, name)
-            if t is None:
-                continue
-            if not isinstance(t, Tensor):
-                raise PackedSeqParamsError(name, "must be a torch.Tensor", f"got {type(t).__name__}")
-            if t.dtype != torch.int32:
-                raise PackedSeqParamsError(name, "dtype must be torch.int32", f"got {t.dtype}")
-            if t.dim() != 1:
-                raise PackedSeqParamsError(name, "must be 1-D", f"got shape {tuple(t.shape)}")
-            if t.numel() < 1:
-                raise PackedSeqParamsError(name, "must have at least one offset")
-            if t.device != ref_device:
-                raise PackedSeqParamsError(name, "all tensors must be on one device", f"{t.device} vs {ref_device}")
-        if self.seq_idx is not None and self.seq_idx.device != ref_device:
-            raise PackedSeqParamsError("seq_idx", "all tensors must be on one device", f"{self.seq_idx.device}")
-        n_q = self.cu_seqlens_q.numel()
-        for name, t in present.items():
-            if name != "seq_idx" and t.numel() != n_q:
-                raise PackedSeqParamsError(
-                    name, "q/kv capacity mismatch", f"{t.numel() - 1} slots vs cu_seqlens_q's {n_q - 1}"
-                )
-        if capacity is not None and n_q - 1 != capacity:
-            raise PackedSeqParamsError(
-                "cu_seqlens_q", "capacity not respected", f"{n_q - 1} slots, expected {capacity}"
-            )
-        for name in ("max_seqlen_q", "max_seqlen_kv", "total_tokens", "local_cp_size"):
-            v = getattr(self, name)
-            if v is None:
-                if name.startswith("max_seqlen"):
-                    raise PackedSeqParamsError(name, "required (a static Python int)")
-                continue
-            if isinstance(v, Tensor) or not isinstance(v, int) or isinstance(v, bool):
-                raise PackedSeqParamsError(name, "must be a Python int (static)", f"got {type(v).__name__}")
-            if v < (0 if name == "total_tokens" else 1):
-                raise PackedSeqParamsError(name, "must be positive", f"got {v}")
-        if self.seq_idx is not None:
-            want = (1, self.total_tokens)
-            if self.seq_idx.dtype != torch.int32 or tuple(self.seq_idx.shape) != want:
-                raise PackedSeqParamsError(
-                    "seq_idx", f"must be int32 {list(want)}", f"got {self.seq_idx.dtype} {list(self.seq_idx.shape)}"
-                )
-        values = self._host_values(sync)
-        if values is not None:
-            self._validate_values(values)
+        params_validation.validate(self, sync=sync, capacity=capacity)
         return self
-
-    def _host_values(self, sync: bool) -> dict[str, list[int]] | None:
-        present = {k: v for k, v in self.graph_inputs().items() if k != "seq_idx"}
-        host = self.current_host_offsets()
-        if host is not None and set(host) >= set(present):
-            return {k: list(host[k]) for k in present}
-        if self.device.type == "cpu":
-            return {k: v.tolist() for k, v in present.items()}
-        if not sync:
-            return None
-        names = list(present)
-        flat = torch.cat([present[k] for k in names]).cpu().tolist()  # the one device-to-host read
-        n = self.cu_seqlens_q.numel()
-        return {k: flat[i * n : (i + 1) * n] for i, k in enumerate(names)}
-
-    def _validate_values(self, values: Mapping[str, list[int]]) -> None:
-        for name, offs in values.items():
-            if offs[0] != 0:
-                raise PackedSeqParamsError(name, "must start at 0", f"first offset {offs[0]}")
-            for i in range(1, len(offs)):
-                if offs[i] < offs[i - 1]:
-                    raise PackedSeqParamsError(
-                        name, "offsets must be non-decreasing", f"slot {i - 1}: {offs[i - 1]} -> {offs[i]}"
-                    )
-            if self.total_tokens is not None and offs[-1] > self.total_tokens:
-                raise PackedSeqParamsError(
-                    name, "last offset exceeds total_tokens", f"{offs[-1]} > {self.total_tokens}"
-                )
-        for name, max_name in _MAX_SEQLEN_OF.items():
-            offs = values[name]
-            longest = max((b - a for a, b in zip(offs, offs[1:], strict=False)), default=0)
-            limit = getattr(self, max_name)
-            if longest > limit:
-                raise PackedSeqParamsError(
-                    max_name,
-                    "below a real sequence length",
-                    f"{limit} < {longest}; FlashAttention would silently compute wrong output",
-                )
-        for padded_name, real_name in _PADDED_TWIN.items():
-            if padded_name not in values:
-                continue
-            p, r = values[padded_name], values[real_name]
-            for i in range(len(r) - 1):
-                if p[i + 1] - p[i] < r[i + 1] - r[i]:
-                    raise PackedSeqParamsError(
-                        padded_name,
-                        "padded length below unpadded length",
-                        f"slot {i}: {p[i + 1] - p[i]} < {r[i + 1] - r[i]}",
-                    )
 
     def assert_valid_async(self) -> None:
         """Debug-mode value checks on the device with ``torch._assert_async``: graph-safe and sync-free.
@@ -581,69 +353,7 @@ class PackedSeqParams:
         A failing check does not raise here: it triggers a device-side assert that **poisons the CUDA
         context** (every later CUDA call fails; the process must restart). Use it to debug, not to recover.
         """
-        for name, t in self.graph_inputs().items():
-            if name == "seq_idx":
-                continue
-            torch._assert_async(t[0] == 0, f"PackedSeqParams.{name}: must start at 0")
-            diffs = t[1:] - t[:-1]
-            torch._assert_async((diffs >= 0).all(), f"PackedSeqParams.{name}: offsets must be non-decreasing")
-            if self.total_tokens is not None:
-                torch._assert_async(t[-1] <= self.total_tokens, f"PackedSeqParams.{name}: exceeds total_tokens")
-        for name, max_name in _MAX_SEQLEN_OF.items():
-            t = getattr(self, name)
-            torch._assert_async(
-                ((t[1:] - t[:-1]) <= getattr(self, max_name)).all(),
-                f"PackedSeqParams.{max_name}: below a real sequence length",
-            )
-        for padded_name, real_name in _PADDED_TWIN.items():
-            p, r = getattr(self, padded_name), getattr(self, real_name)
-            if p is not None:
-                torch._assert_async(
-                    ((p[1:] - p[:-1]) >= (r[1:] - r[:-1])).all(),
-                    f"PackedSeqParams.{padded_name}: padded length below unpadded length",
-                )
-
-
-class ParamsType(NamedTuple):
-    """How the engine carries another library's packed-sequence params class (Megatron's) across a graph boundary.
-
-    ``to_packgraph(obj)`` returns a :class:`PackedSeqParams` sharing ``obj``'s tensors (no copies, no syncs);
-    ``from_packgraph(params)`` builds an instance of the foreign class from packgraph params, again sharing tensors.
-    """
-
-    to_packgraph: Callable[[Any], PackedSeqParams]
-    from_packgraph: Callable[[PackedSeqParams], Any]
-
-
-_PARAMS_TYPES: dict[type, ParamsType] = {}
-# Foreign classes the engine recognises before their integration module is imported: the module registers them.
-_KNOWN_FOREIGN = {"megatron.core.packed_seq_params.PackedSeqParams": "packgraph.integrations.megatron"}
-
-
-def register_params_type(
-    cls: type, *, to_packgraph: Callable[[Any], PackedSeqParams], from_packgraph: Callable[[PackedSeqParams], Any]
-) -> None:
-    """Let ``capture``/``capture_layers`` split instances of ``cls`` like :class:`PackedSeqParams` (see
-    :class:`ParamsType`). The captured callable then receives an instance of ``cls`` rebuilt on static buffers."""
-    _PARAMS_TYPES[cls] = ParamsType(to_packgraph, from_packgraph)
-    _NOT_PARAMS.discard(cls)
-
-
-_NOT_PARAMS: set[type] = set()
-
-
-def params_type_of(obj: Any) -> ParamsType | None:
-    """The registered :class:`ParamsType` of ``obj``'s class (importing its integration on first sight), or None."""
-    cls = type(obj)
-    found = _PARAMS_TYPES.get(cls)
-    if found is None and cls not in _NOT_PARAMS:
-        module = _KNOWN_FOREIGN.get(f"{cls.__module__}.{cls.__qualname__}")
-        if module is not None:
-            importlib.import_module(module)
-            found = _PARAMS_TYPES.get(cls)
-        if found is None:
-            _NOT_PARAMS.add(cls)
-    return found
+        params_validation.assert_valid_async(self)
 
 
 def slot_of_rows(offsets: Tensor, rows: Tensor) -> Tensor:
@@ -651,9 +361,8 @@ def slot_of_rows(offsets: Tensor, rows: Tensor) -> Tensor:
 
     Zero-length (ghost) slots are skipped (the last slot starting at or before the row wins); rows at or past
     the last offset get ``len(offsets) - 1``. One ``searchsorted`` on the device: fixed shape, no host sync.
-    It searches the whole ``offsets`` tensor rather than ``offsets[1:]``: inductor (torch 2.11) cannot lower
-    ``searchsorted`` over a slice view ("NotImplementedError: SliceView").
     """
+    # The whole tensor, not offsets[1:]: inductor cannot lower searchsorted over a slice view (SliceView).
     return (torch.searchsorted(offsets, rows, right=True) - 1).clamp_(min=0)
 
 

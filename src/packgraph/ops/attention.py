@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -219,7 +219,7 @@ class _VarlenAPI:
         causal: bool,
         softmax_scale: float | None,
     ) -> Tensor:
-        kwargs: dict = {}
+        kwargs: dict[str, Any] = {}
         if self.causal_kw == "window_size":
             kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
         else:
