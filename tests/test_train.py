@@ -15,8 +15,8 @@ from packgraph.data.corpus import VOCAB_SIZE, load_corpus
 from packgraph.data.stream import DataStream, corpus_documents, split_documents
 from packgraph.graphs import use_recorder
 from packgraph.models.gpt import GPT
-from packgraph.runlog import convergence_report, ema, read_log, throughput
 from packgraph.train import TrainConfig, Trainer, accumulate_gradients, load_checkpoint, train
+from packgraph.train.logs import convergence_report, ema, read_log, throughput
 from tests.eager_recorder import EagerRecorder
 
 

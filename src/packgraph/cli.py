@@ -209,10 +209,10 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     device = _device(args.device)
     graphs = _check_graphs(args.graphs, device)
     if args.resume:
-        from packgraph.train import _resolve_checkpoint
+        from packgraph.train import resolve_checkpoint
 
         try:
-            _resolve_checkpoint(args.resume)
+            resolve_checkpoint(args.resume)
         except FileNotFoundError as e:
             raise CLIError(str(e)) from None
     out_dir = _out_path(args, "train")
@@ -297,11 +297,11 @@ def _load_model(args: argparse.Namespace, device):
     import torch
 
     from packgraph.models.gpt import GPT, GPTConfig
-    from packgraph.train import _resolve_checkpoint, load_checkpoint
+    from packgraph.train import load_checkpoint, resolve_checkpoint
 
     if args.checkpoint:
         try:
-            path = _resolve_checkpoint(args.checkpoint)
+            path = resolve_checkpoint(args.checkpoint)
             ckpt = load_checkpoint(path)  # data only: a file that would run code is refused
         except (FileNotFoundError, ValueError) as e:
             raise CLIError(str(e)) from None
@@ -367,7 +367,7 @@ def cmd_score(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_plot_convergence(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from packgraph.runlog import convergence_report, plot_losses, read_log, text_table
+    from packgraph.train.logs import convergence_report, plot_losses, read_log, text_table
 
     if args.labels and len(args.labels) != len(args.logs):
         raise CLIError(f"--labels has {len(args.labels)} names for {len(args.logs)} logs")

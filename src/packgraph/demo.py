@@ -43,8 +43,8 @@ from packgraph.data.corpus import corpus_stats
 from packgraph.data.stream import DataStream, corpus_documents
 from packgraph.graphs.recorder import stand_in
 from packgraph.packing import pack_sequences
-from packgraph.runlog import pyplot, text_table
 from packgraph.train import TrainConfig, Trainer, TrainResult, deterministic_kernels, resolve_device
+from packgraph.train.logs import pyplot, text_table
 
 __all__ = ["DEFAULTS", "demo_defaults", "run_demo", "compare_losses"]
 
