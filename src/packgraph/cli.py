@@ -265,29 +265,16 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from packgraph.demo import demo_defaults, run_demo
+    from packgraph.train.demo import demo_settings, run_demo
 
     device = _device(args.device)
     graphs = _check_graphs(args.graphs, device)
     out_dir = _out_path(args, "demo")
-    defaults = demo_defaults(device)
-    args.preset = args.preset or defaults["preset"]
-    args.T = args.T or defaults["T"]
-    steps = args.steps or defaults["steps"]
-    cfg = _train_config(
-        args,
-        device,
-        False,
-        out_dir,
-        steps=steps,
-        warmup_steps=max(1, steps // 10),
-        max_docs=args.max_docs or defaults["max_docs"],
-        progress=False,
-        plot=False,
-        save_checkpoint=False,
-        deterministic=not args.fast,
-        log_every=10,  # the host runs ahead of the device between reads, as a real training loop would
+    settings = demo_settings(
+        device, preset=args.preset, T=args.T, steps=args.steps, max_docs=args.max_docs, fast=args.fast
     )
+    args.preset, args.T = settings.pop("preset"), settings.pop("T")  # _train_config reads them (the lr per preset)
+    cfg = _train_config(args, device, False, out_dir, **settings)
     _make_dir(out_dir)
     run_demo(cfg, scopes=args.scopes if graphs else (), echo=print)
     return 0
