@@ -39,8 +39,8 @@ from packgraph.data.corpus import VOCAB_SIZE, load_corpus
 from packgraph.data.stream import DataStream, split_documents
 from packgraph.integrations.megatron import get_gpt_layer_packgraph_spec, graph_transformer_layers, to_megatron
 from packgraph.packing import PackedBatch
-from packgraph.runlog import plot_losses
 from packgraph.train import deterministic_kernels
+from packgraph.train.logs import plot_losses
 
 
 @dataclasses.dataclass

@@ -209,10 +209,10 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     device = _device(args.device)
     graphs = _check_graphs(args.graphs, device)
     if args.resume:
-        from packgraph.train import _resolve_checkpoint
+        from packgraph.train import resolve_checkpoint
 
         try:
-            _resolve_checkpoint(args.resume)
+            resolve_checkpoint(args.resume)
         except FileNotFoundError as e:
             raise CLIError(str(e)) from None
     out_dir = _out_path(args, "train")
@@ -265,29 +265,16 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from packgraph.demo import demo_defaults, run_demo
+    from packgraph.train.demo import demo_settings, run_demo
 
     device = _device(args.device)
     graphs = _check_graphs(args.graphs, device)
     out_dir = _out_path(args, "demo")
-    defaults = demo_defaults(device)
-    args.preset = args.preset or defaults["preset"]
-    args.T = args.T or defaults["T"]
-    steps = args.steps or defaults["steps"]
-    cfg = _train_config(
-        args,
-        device,
-        False,
-        out_dir,
-        steps=steps,
-        warmup_steps=max(1, steps // 10),
-        max_docs=args.max_docs or defaults["max_docs"],
-        progress=False,
-        plot=False,
-        save_checkpoint=False,
-        deterministic=not args.fast,
-        log_every=10,  # the host runs ahead of the device between reads, as a real training loop would
+    settings = demo_settings(
+        device, preset=args.preset, T=args.T, steps=args.steps, max_docs=args.max_docs, fast=args.fast
     )
+    args.preset, args.T = settings.pop("preset"), settings.pop("T")  # _train_config reads them (the lr per preset)
+    cfg = _train_config(args, device, False, out_dir, **settings)
     _make_dir(out_dir)
     run_demo(cfg, scopes=args.scopes if graphs else (), echo=print)
     return 0
@@ -297,11 +284,11 @@ def _load_model(args: argparse.Namespace, device):
     import torch
 
     from packgraph.models.gpt import GPT, GPTConfig
-    from packgraph.train import _resolve_checkpoint, load_checkpoint
+    from packgraph.train import load_checkpoint, resolve_checkpoint
 
     if args.checkpoint:
         try:
-            path = _resolve_checkpoint(args.checkpoint)
+            path = resolve_checkpoint(args.checkpoint)
             ckpt = load_checkpoint(path)  # data only: a file that would run code is refused
         except (FileNotFoundError, ValueError) as e:
             raise CLIError(str(e)) from None
@@ -367,7 +354,7 @@ def cmd_score(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_plot_convergence(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from packgraph.runlog import convergence_report, plot_losses, read_log, text_table
+    from packgraph.train.logs import convergence_report, plot_losses, read_log, text_table
 
     if args.labels and len(args.labels) != len(args.logs):
         raise CLIError(f"--labels has {len(args.labels)} names for {len(args.logs)} logs")

@@ -92,10 +92,6 @@ class DistributedContext:
     backend: str | None
     initialized: bool
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 def init_distributed(
     backend: str | None = None, *, timeout: timedelta | None = None, device: str | None = None

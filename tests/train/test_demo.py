@@ -9,22 +9,20 @@ import pytest
 import torch
 
 from packgraph.bench.profiling import KernelProfile
-from packgraph.demo import (
-    _capture_steps,
-    _difference_line,
-    _method_figures,
-    _new_signature_steps,
-    _report,
-    _Run,
-    _timed_steps,
-    _timing,
-    _train_all,
-    compare_losses,
-    plot_demo,
-    run_demo,
-)
 from packgraph.graphs import use_recorder
 from packgraph.train import DataStream, TrainConfig, corpus_documents
+from packgraph.train.demo import _new_signature_steps, _train_all, run_demo
+from packgraph.train.demo_report import (
+    DemoRun,
+    _capture_steps,
+    _difference_line,
+    _timed_steps,
+    compare_losses,
+    method_figures,
+    plot_demo,
+    print_report,
+    step_timing,
+)
 from tests.eager_recorder import EagerRecorder
 
 
@@ -148,8 +146,8 @@ def test_a_difference_is_printed_with_its_cause():
 def test_timed_steps_are_shared_and_leave_out_warmup_captures_and_profiled_steps():
     rows = [{"captures": c} for c in (1, 1, 1, 2, 2, 2, 3, 3, 3, 3)]
     runs = [
-        _Run("graphed-layer", "graphed layer", None, rows=rows),
-        _Run("eager", "eager", None, rows=[{"captures": 0}] * 10),
+        DemoRun("graphed-layer", "graphed layer", None, rows=rows),
+        DemoRun("eager", "eager", None, rows=[{"captures": 0}] * 10),
     ]
     captures = _capture_steps(runs)
     assert captures == {0, 3, 6}
@@ -176,7 +174,7 @@ def test_several_runs_are_compared_timed_and_plotted(tmp_path):
     profiled steps; two eager runs of one config are bitwise equal; each gets a table row and a curve."""
     cfg = tiny(tmp_path, steps=6, deterministic=False)  # CPU kernels are deterministic anyway
     runs = [
-        _Run(name, label, replace(cfg, out_dir=str(tmp_path / name)))
+        DemoRun(name, label, replace(cfg, out_dir=str(tmp_path / name)))
         for name, label in [("eager", "eager"), ("again", "eager again")]
     ]
     profiled = []
@@ -192,10 +190,10 @@ def test_several_runs_are_compared_timed_and_plotted(tmp_path):
     _train_all(runs, corpus_documents(cfg), window_start=4, echo=printed.append, profile=profile)
     assert [(name, at) for name, at, _ in profiled] == [("eager", 4), ("again", 4)]
     assert profiled[0][2] == [[], []]  # no run had finished when the first one was profiled
-    timing = _timing(runs, cfg, 4, torch.device("cpu"))
+    timing = step_timing(runs, cfg, 4, torch.device("cpu"))
     assert timing["timed_steps"] == [2, 3, 4] and timing["profiled_steps"] == [5, 6]
-    methods = _method_figures(runs, timing)
-    verdict = _report(cfg, runs, methods, timing, printed.append)
+    methods = method_figures(runs, timing)
+    verdict = print_report(cfg, runs, methods, timing, printed.append)
     assert methods["again"]["vs_eager"]["bitwise_equal"] and verdict == "bitwise equal"
     assert "eager again vs eager: bitwise equal losses over 6 steps" in printed
     for name, m in methods.items():

@@ -13,7 +13,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_log", "ema", "throughput", "convergence_report", "plot_losses", "pyplot", "text_table"]
+__all__ = [
+    "read_log",
+    "truncate_log",
+    "ema",
+    "throughput",
+    "convergence_report",
+    "plot_losses",
+    "pyplot",
+    "text_table",
+]
 
 
 def throughput(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
@@ -57,6 +66,14 @@ def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not rows:
         raise ValueError(f"{path}: no steps logged")
     return rows
+
+
+def truncate_log(path: Path, last_step: int) -> None:
+    """Drop logged steps after ``last_step``, so a resumed run does not log them twice."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))
 
 
 def ema(values: Sequence[float], beta: float = 0.95) -> list[float]:

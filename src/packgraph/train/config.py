@@ -1,0 +1,124 @@
+"""What a training run depends on: :class:`TrainConfig`, the device it names and the default out dir."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from packgraph.buckets import BucketPolicy, default_buckets
+from packgraph.data.corpus import VOCAB_SIZE
+from packgraph.models.gpt import SCOPES, GPTConfig
+from packgraph.packing import PACKING_ALGORITHMS
+
+__all__ = ["TrainConfig", "resolve_device", "default_out_dir"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on. ``validate()`` rejects bad values with a ``ValueError`` that says what to do.
+
+    ``T`` is the rows per micro-batch (static: every batch has exactly ``T`` rows). ``graphs=None`` means "on
+    when the device is CUDA". Bucket ladders default to :func:`~packgraph.buckets.default_buckets` of ``T``.
+    ``log_every`` is how often the loop reads its values from the device (see :mod:`packgraph.train`); every
+    step is still logged, with its own loss.
+    """
+
+    preset: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    steps: int = 100
+    T: int = 2048
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "auto"
+    autocast: bool = True
+    graphs: bool | None = False
+    scope: str = "layer"
+    max_seqlen_ladder: tuple[int, ...] | None = None
+    capacity_ladder: tuple[int, ...] | None = None
+    max_docs: int | None = None
+    chunk_len: int | None = None
+    min_chunk_len: int | None = 64
+    pad_to_multiple: int = 1
+    algorithm: str = "ffd"
+    out_dir: str | None = None
+    resume: str | None = None
+    checkpoint_every: int = 0
+    save_checkpoint: bool = True
+    progress: bool = True
+    plot: bool = True
+    deterministic: bool = False
+    log_every: int = 1
+
+    def validate(self) -> TrainConfig:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        GPTConfig.preset(self.preset, vocab_size=VOCAB_SIZE, **self.model_overrides)  # raises on a bad preset
+        need(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
+        need(self.T >= 2, f"T (rows per micro-batch) must be >= 2, got {self.T}")
+        need(self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}")
+        need(self.lr > 0 and 0 <= self.min_lr_ratio <= 1, "lr must be > 0 and min_lr_ratio in [0, 1]")
+        need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+        need(self.scope in SCOPES, f"scope must be one of {SCOPES}, got {self.scope!r}")
+        need(self.max_docs is None or self.max_docs >= 1, f"max_docs must be >= 1, got {self.max_docs}")
+        need(self.chunk_len is None or self.chunk_len >= 2, f"chunk_len must be >= 2, got {self.chunk_len}")
+        need(
+            self.min_chunk_len is None or self.min_chunk_len >= 2,
+            f"min_chunk_len must be >= 2, got {self.min_chunk_len}",
+        )
+        need(self.pad_to_multiple >= 1, f"pad_to_multiple must be >= 1, got {self.pad_to_multiple}")
+        need(self.algorithm in PACKING_ALGORITHMS, f"algorithm must be one of {PACKING_ALGORITHMS}")
+        need(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        need(self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}")
+        self.bucket_policy()  # raises on bad ladders
+        return self
+
+    def bucket_policy(self) -> BucketPolicy:
+        """The policy batches are bucketed with (``ValueError`` on bad ladders)."""
+        default = default_buckets(self.T)
+        policy = BucketPolicy(
+            tuple(self.max_seqlen_ladder or default.max_seqlen_ladder),
+            tuple(self.capacity_ladder or default.capacity_ladder),
+        )
+        if policy.max_seqlen > self.T:
+            raise ValueError(f"max_seqlen ladder {policy.max_seqlen_ladder} has rungs above T={self.T}")
+        return policy
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig.preset(self.preset, vocab_size=VOCAB_SIZE, **self.model_overrides)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> cuda when available, else cpu. ``ValueError`` for CUDA without CUDA or an unknown name."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available here; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r} (use cpu or cuda)")
+    return device
+
+
+def default_out_dir(command: str) -> Path:
+    """``./runs/<command>-<timestamp>``, made unique with a suffix when it already exists."""
+    base = Path("runs") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():
+        out, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return out

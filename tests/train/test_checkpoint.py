@@ -1,0 +1,95 @@
+"""Checkpoints and resume, on CPU with the tiny preset: bitwise continuation, refusal of foreign, crafted and
+mismatched checkpoints, and checkpoints that are data only."""
+
+import pytest
+import torch
+
+from packgraph.train import load_checkpoint, train
+from packgraph.train.logs import read_log
+from tests.train.tiny import tiny_cfg
+
+
+def test_resume_continues_the_same_loss_curve_bitwise(tmp_path):
+    full = train(tiny_cfg(tmp_path, "full", steps=10, checkpoint_every=5), echo=None)
+    resumed = train(
+        tiny_cfg(tmp_path, "resumed", steps=10, resume=str(tmp_path / "full" / "checkpoint-000005.pt")), echo=None
+    )
+    assert resumed.first_step == 5
+    assert resumed.losses == full.losses[5:]  # bitwise: same params, optimizer, schedule, RNG and batches
+    a = torch.load(full.checkpoint_path, weights_only=True)  # checkpoints are data: tensors and plain values
+    b = torch.load(resumed.checkpoint_path, weights_only=True)
+    assert a["step"] == b["step"] == 10 and a["data"] == b["data"]
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+    assert [r["step"] for r in read_log(resumed.log_path)] == list(range(6, 11))
+
+
+def test_resume_into_the_same_dir_logs_each_step_once(tmp_path):
+    train(tiny_cfg(tmp_path, "run", steps=6, checkpoint_every=3), echo=None)
+    resumed = train(
+        tiny_cfg(tmp_path, "run", steps=6, resume=str(tmp_path / "run" / "checkpoint-000003.pt")), echo=None
+    )
+    assert [r["step"] for r in read_log(resumed.log_path)] == list(range(1, 7))
+
+
+@pytest.mark.parametrize("change", [{"seed": 7}, {"T": 128}, {"max_docs": 10}, {"grad_accum": 2}])
+def test_resume_rejects_settings_that_change_the_data_order(tmp_path, change):
+    train(tiny_cfg(tmp_path, "a", steps=2), echo=None)
+    with pytest.raises(ValueError, match="cannot resume") as e:
+        train(tiny_cfg(tmp_path, "b", steps=4, resume=str(tmp_path / "a"), **change), echo=None)
+    assert next(iter(change)) in str(e.value)
+
+
+def test_resume_rejects_foreign_and_corrupt_checkpoints(tmp_path):
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(2)}, foreign)
+    with pytest.raises(ValueError, match="not a packgraph training checkpoint"):
+        train(tiny_cfg(tmp_path, "b", resume=str(foreign)), echo=None)
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_text("garbage\n")
+    with pytest.raises(ValueError, match="cannot read checkpoint"):
+        train(tiny_cfg(tmp_path, "c", resume=str(corrupt)), echo=None)
+
+
+def test_resume_rejects_a_different_model(tmp_path):
+    train(tiny_cfg(tmp_path, "a", steps=2), echo=None)
+    with pytest.raises(ValueError, match="different model"):
+        train(tiny_cfg(tmp_path, "b", steps=4, model_overrides={"n_layer": 3}, resume=str(tmp_path / "a")), echo=None)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(tiny_cfg(tmp_path, "c", resume=str(tmp_path / "missing")), echo=None)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints are data
+class RunsCode:
+    """Unpickling this object runs code: it writes a marker file (what a malicious checkpoint would do)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_checkpoint_whose_unpickling_runs_code_is_refused(tmp_path):
+    train(tiny_cfg(tmp_path, "a", steps=2), echo=None)
+    good = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)
+    marker = tmp_path / "code-ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({**good, "rng": {**good["rng"], "python": RunsCode(marker)}}, evil)  # every key a checkpoint has
+    with pytest.raises(ValueError, match=r"refusing to load .*evil.pt: it holds a pickled Python object \(exec\)") as e:
+        train(tiny_cfg(tmp_path, "b", steps=4, resume=str(evil)), echo=None)
+    assert "weights_only=False" in str(e.value)  # says what a user who trusts the file can do
+    assert not marker.exists()
+    with pytest.raises(ValueError, match="refusing to load"):
+        load_checkpoint(evil)
+    assert not marker.exists()
+
+
+def test_checkpoint_of_a_config_with_a_path_out_dir_loads_as_data_and_resumes(tmp_path):
+    """A Path in the config (not a type weights_only accepts) is saved as its string; resume still works."""
+    full = train(tiny_cfg(tmp_path, steps=4, checkpoint_every=2, out_dir=tmp_path / "p"), echo=None)
+    ckpt = load_checkpoint(tmp_path / "p" / "checkpoint-000002.pt")
+    assert ckpt["train_config"]["out_dir"] == str(tmp_path / "p")
+    assert isinstance(ckpt["rng"]["python"], list)  # the Python RNG state as plain lists
+    resumed = train(tiny_cfg(tmp_path, "r", steps=4, resume=str(tmp_path / "p" / "checkpoint-000002.pt")), echo=None)
+    assert resumed.losses == full.losses[2:]
