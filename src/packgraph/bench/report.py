@@ -368,7 +368,8 @@ def readme_table(results_json: str | Path | Mapping[str, Any]) -> str:
         rows.append(row)
     caption = (
         "Step time per training step (fwd+bwd+AdamW), speedup vs eager in brackets; packgraph's peak memory over "
-        f"eager's on the same batches, captures included (allocated / reserved). {_machine_line(doc)}."
+        "eager's (allocated / reserved): eager's over its timed batches, packgraph's over the same batches and the "
+        f"rest of its graph-count batches, captures included. {_machine_line(doc)}."
     )
     return caption + "\n\n" + _markdown(header, rows)
 
