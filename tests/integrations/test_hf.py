@@ -19,19 +19,9 @@ from packgraph.graphs import use_recorder  # noqa: E402
 from packgraph.integrations import hf  # noqa: E402
 from packgraph.params import PackedSeqParamsError  # noqa: E402
 from tests.eager_recorder import EagerRecorder  # noqa: E402
-
-VOCAB = 97
-DOC_LENGTHS = (5, 17, 1, 9, 12)
-TOTAL_TOKENS = 56  # > sum(DOC_LENGTHS) = 44: the stream has dead tail rows
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Ops on models this small are too short to split across threads: a second thread only adds synchronization.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.integrations.hf_docs import DOC_LENGTHS, TOTAL_TOKENS, VOCAB  # noqa: E402
+from tests.integrations.hf_docs import collate as _collate  # noqa: E402
+from tests.integrations.hf_docs import docs as _docs  # noqa: E402
 
 
 def _configs():
@@ -61,16 +51,6 @@ def _model(config, attn_implementation, state_dict=None):
     if state_dict is not None:
         model.load_state_dict(state_dict)
     return model.eval()
-
-
-def _docs(lengths=DOC_LENGTHS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
-
-
-def _collate(docs, **collator_kwargs):
-    collator = transformers.DataCollatorWithFlattening(**collator_kwargs)
-    return collator([{"input_ids": d.tolist()} for d in docs])
 
 
 def _per_doc_reference(model, docs):

@@ -10,20 +10,9 @@ transformers = pytest.importorskip("transformers")
 
 from packgraph.buckets import BucketPolicy  # noqa: E402
 from packgraph.integrations.hf_batches import from_flattening_batch, to_flattening_batch  # noqa: E402
-
-VOCAB = 97
-DOC_LENGTHS = (5, 17, 1, 9, 12)
-TOTAL_TOKENS = 56  # > sum(DOC_LENGTHS) = 44: the stream has dead tail rows
-
-
-def _docs(lengths=DOC_LENGTHS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
-
-
-def _collate(docs, **collator_kwargs):
-    collator = transformers.DataCollatorWithFlattening(**collator_kwargs)
-    return collator([{"input_ids": d.tolist()} for d in docs])
+from tests.integrations.hf_docs import DOC_LENGTHS, TOTAL_TOKENS  # noqa: E402
+from tests.integrations.hf_docs import collate as _collate  # noqa: E402
+from tests.integrations.hf_docs import docs as _docs  # noqa: E402
 
 
 def _hand_layout(docs, total):

@@ -36,15 +36,6 @@ POLICY = BucketPolicy((16, 64), (4, 16))  # a few buckets, so the runs cross sta
 LR = 1e-2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Ops on a model this small are too short to split across threads: a second thread only adds synchronization.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _config():
     return transformers.LlamaConfig(
         vocab_size=VOCAB,

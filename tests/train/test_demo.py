@@ -24,25 +24,13 @@ from packgraph.train.demo_report import (
     step_timing,
 )
 from tests.eager_recorder import EagerRecorder
+from tests.train.tiny import tiny_cfg
 
 
 def tiny(tmp_path, **kw) -> TrainConfig:
-    base = dict(
-        preset="tiny",
-        steps=8,
-        T=256,
-        lr=3e-3,
-        warmup_steps=1,
-        max_docs=12,
-        device="cpu",
-        out_dir=str(tmp_path),
-        progress=False,
-        plot=False,
-        save_checkpoint=False,
-        deterministic=True,
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    """The shared tiny config, shortened for the demo's runs."""
+    base = dict(steps=8, warmup_steps=1, max_docs=12, save_checkpoint=False, deterministic=True)
+    return tiny_cfg(tmp_path, name="", **(base | kw))
 
 
 def numbers(value, path=""):
