@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.train.tiny import numbers
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 # Runs the CLI and records every warning it raises, with where it came from.
@@ -66,17 +68,6 @@ def capture_path_warnings(record):
 def other_warnings(record):
     flagged = capture_path_warnings(record)
     return sorted({f"{w['category']}: {w['message'][:120]}" for w in record["warnings"] if w not in flagged})
-
-
-def numbers(value, path=""):
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from numbers(v, f"{path}.{k}")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from numbers(v, f"{path}[{i}]")
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        yield path, value
 
 
 def test_demo_default_mode_is_bitwise_equal_and_warning_free(tmp_path, report):

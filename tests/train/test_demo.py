@@ -24,25 +24,13 @@ from packgraph.train.demo_report import (
     step_timing,
 )
 from tests.eager_recorder import EagerRecorder
-from tests.train.tiny import tiny_cfg
+from tests.train.tiny import numbers, tiny_cfg
 
 
 def tiny(tmp_path, **kw) -> TrainConfig:
     """The shared tiny config, shortened for the demo's runs."""
     base = dict(steps=8, warmup_steps=1, max_docs=12, save_checkpoint=False, deterministic=True)
     return tiny_cfg(tmp_path, name="", **(base | kw))
-
-
-def numbers(value, path=""):
-    """Every (path, number) in a JSON document."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from numbers(v, f"{path}.{k}")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from numbers(v, f"{path}[{i}]")
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        yield path, value
 
 
 def test_cpu_demo_writes_its_figures_and_plot(tmp_path):

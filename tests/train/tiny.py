@@ -1,4 +1,4 @@
-"""The tiny CPU training config the train tests share."""
+"""What the train tests share: the tiny CPU training config, and the numbers of a JSON document."""
 
 from packgraph.train import TrainConfig
 
@@ -18,3 +18,15 @@ def tiny_cfg(tmp_path, name="run", **kw) -> TrainConfig:
     )
     base.update(kw)
     return TrainConfig(**base)
+
+
+def numbers(value, path=""):
+    """Every (path, number) in a JSON document."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from numbers(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from numbers(v, f"{path}[{i}]")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield path, value

@@ -216,8 +216,8 @@ def _run_one(model_name, T, mix, method, stream, policy, cfg, device, run) -> di
         skipped = _error_record(model_name, T, mix, method, device, "needs CUDA (no CUDA device here)", run)
         return skipped | {"status": "skipped"}
     model = bench_method = None
-    # Blocks another unit left cached (the attention sweep's, a stream's) would count in this method's reserved
-    # peak: each method starts from an empty cache.
+    # Blocks an earlier unit left (the attention sweep's, the last method's graphs and pools) would count in this
+    # method's reserved peak: each method starts from an empty cache.
     release(device)
     try:
         torch.manual_seed(cfg["seed"])
@@ -244,8 +244,6 @@ def _run_one(model_name, T, mix, method, stream, policy, cfg, device, run) -> di
                 bench_method.close()
             except Exception as exc:  # cleanup must not end the matrix (e.g. after a device-side fault)
                 print(f"warning: closing {method} failed: {_describe_error(exc)}", file=sys.stderr)
-        del model, bench_method
-        release(device)
 
 
 def _run_attention(cfg: dict, doc: dict, out: Path, device: torch.device, progress: _Progress) -> None:
