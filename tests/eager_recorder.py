@@ -3,21 +3,51 @@
 ``record`` runs the capture body now and returns its results; ``replay`` re-runs the body and copies the fresh
 results into the first ones (the static buffers), which is a CUDA graph's static-memory contract. Everything else
 (signatures, static buffers, chained layers, grad buffers) is the production engine. Unlike a CUDA capture,
-recording executes the body (a backward body adds into the grad buffers), so tests capture every graph set before
-the measured passes, with ``.grad`` set to None.
+recording executes the body, so tests capture every graph set before the measured passes, with ``.grad`` set to
+None.
+
+Released memory (``unowned``) is never more forgiving than the CUDA pool: the pool *may* hand a released block to
+any later warm-up or capture, and a graph captured after the release *may* write it at every replay; here they
+always do, with NaNs. A tensor the engine left on released memory while something could overwrite it then reads
+NaN instead of passing by luck.
 """
 
 import torch
+
+
+def _poison(storage):
+    n = storage.nbytes() // 4
+    if n:
+        torch.empty(0, dtype=torch.float32).set_(storage, 0, (n,), (1,)).fill_(float("nan"))
 
 
 class EagerRecorder:
     device_type = "cpu"
     records_by_running = True  # replay re-runs the recorded body on the same autograd graph: the engine keeps it
 
+    def __init__(self):
+        self.clock = 0  # graphs recorded so far
+        self.released = []  # (owning storage kept alive here, its pool, clock at its release)
+        self.poisonings = 0
+
     def check_input(self, t):
         pass
 
+    def unowned(self, storage, pool=None):
+        # CPU memory has no pool: keep the block alive here and hand back an alias that does not own it.
+        self.released.append((storage, pool, self.clock))
+        return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
+
+    def reuse_released(self, pool, recorded_at=None):
+        """What ``pool`` may do to its released memory: a warm-up or capture now (``recorded_at=None``), or a replay
+        of a graph recorded at clock ``recorded_at`` (only memory released before that graph was recorded)."""
+        for storage, where, at in self.released:
+            if where is pool and (recorded_at is None or at < recorded_at):
+                _poison(storage)
+                self.poisonings += 1
+
     def warmup(self, run, iters, pool=None):
+        self.reuse_released(pool)
         for _ in range(iters):
             run()
 
@@ -25,16 +55,20 @@ class EagerRecorder:
         return object()  # a distinct pool token: the engine keeps graphs of different pools apart
 
     def record(self, body, pool=None):
+        self.reuse_released(pool)
+        self.clock += 1
         results = body()
-        return EagerReplay(body, results), results
+        return EagerReplay(self, body, results, pool), results
 
 
 class EagerReplay:
-    def __init__(self, body, results):
+    def __init__(self, recorder, body, results, pool):
+        self.recorder, self.recorded_at, self.pool = recorder, recorder.clock, pool
         self.body, self.results, self.replays = body, results, 0
 
     def replay(self):
         self.replays += 1
+        self.recorder.reuse_released(self.pool, self.recorded_at)
         with torch.no_grad():
             for old, new in zip(self.results, self.body(), strict=True):
                 old.copy_(new)

@@ -1,13 +1,12 @@
 """One set of static buffers per callable, shared by the graphs of all its signatures.
 
-A layer met with several buckets gets one graph set per bucket, but the buffers those graphs read and write have the
-same shapes in every bucket: the hidden states in and out, the grad of the output, the input and parameter grads.
+A layer met with several buckets gets one graph set per bucket, but the buffers its graphs read and write on the
+forward side have the same shapes in every bucket: the hidden states in and out, the grad of the output.
 :class:`SharedBuffers` keeps the first set it sees (the *primary*) and lets every later capture of the same callable
-use it: inputs are loaded into the primary's input buffers, a later graph copies its outputs and input grads into
-the primary's tensors as its last kernels, and its backward zeroes the primary's parameter grads and accumulates
-into them (so it never holds a second set of parameter grads, not even while it is captured). Memory then stays
-that of one set, whatever the number of buckets; a later signature pays a copy of each output and input grad and a
-zeroing of the parameter grads per replay.
+use it: inputs are loaded into the primary's input buffers, and a later graph copies its outputs into the primary's
+tensors as its last kernels (a chained next layer reads them in place, whatever the bucket). Backward results
+(input and parameter grads) are not shared: each signature writes its own, and they go back to the pool once idle
+(:mod:`packgraph.graphs.handouts`), so they cost no second set either and need no zeroing or copy.
 
 Sharing stops where it would be wrong: a buffer of another shape, dtype or stride, or of another ``requires_grad``
 (autograd recorded that flag at capture), gets its own tensor; nothing is shared while a graph of the callable is in
@@ -47,7 +46,9 @@ class SharedBuffers:
         self._buffers: dict[Hashable, Tensor] = {}
         self._results: dict[Hashable, list[Tensor]] = {}
         self._records: dict[int, Handout] = {}
-        self._param_grads: dict[int, Tensor] = {}  # id(parameter) -> the primary's static grad
+        # An earlier capture of this callable ran every weight-grad kernel (their shapes do not depend on the
+        # signature), so a later warm-up may skip them.
+        self.weights_warmed = False
 
     def _sharing(self) -> bool:
         return self.enabled and not self.owner.any_in_flight()
@@ -84,27 +85,6 @@ class SharedBuffers:
                     p.copy_(r)
         return primary
 
-    def param_grads(self, params: Sequence[Tensor]) -> list[Tensor] | None:
-        """The primary's static grads of ``params``, when it has one of the right shape for each and sharing is
-        on: a later backward graph then accumulates into them (zeroed first) instead of allocating its own."""
-        if not self._sharing() or not params:
-            return None
-        grads = [self._param_grads.get(id(p)) for p in params]
-        if any(g is None or not _fits(g, p) for g, p in zip(grads, params, strict=True)):
-            return None
-        return grads
-
-    def keep_param_grads(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
-        """Remember a primary backward's static grads (the first one of each parameter wins)."""
-        if self.enabled:
-            for p, g in zip(params, grads, strict=True):
-                if g is not None:
-                    self._param_grads.setdefault(id(p), g)
-
-    @property
-    def has_param_grads(self) -> bool:
-        return bool(self._param_grads)
-
     def record(self, static: Tensor, *, seq: int, pool: Any, name: str, params: tuple[Tensor, ...] = ()) -> Handout:
         """The :class:`~packgraph.graphs.handouts.Handout` of ``static`` (one per tensor, shared like it)."""
         record = self._records.get(id(static))
@@ -119,7 +99,7 @@ class SharedBuffers:
         self._records = {k: r for k, r in self._records.items() if k in held}
 
     def clear(self) -> None:
-        self._param_grads.clear()
+        self.weights_warmed = False
         self._buffers.clear()
         self._results.clear()
         self._records.clear()

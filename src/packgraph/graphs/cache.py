@@ -238,9 +238,16 @@ class CaptureGroup:
         self.preparer = preparer
         self.chain = chain
         self.outputs = OutputRegistry() if chain else None
-        self._seq = itertools.count(1)
+        self._seq = 0
         self.in_flight: dict[int, Any] = {}
         self.handouts = HandoutBook()
+        # Handed-out views of released memory are safe only while the pool lives: move them before it goes.
+        weakref.finalize(self, self.handouts.settle_released)
 
     def next_seq(self) -> int:
-        return next(self._seq)
+        self._seq += 1
+        return self._seq
+
+    def peek_seq(self) -> int:
+        """The number of the newest capture (every later capture gets a larger one)."""
+        return self._seq

@@ -166,7 +166,8 @@ class GraphedCallable:
         for entry in dropped:
             entry.release()
         self.buffers.clear()
-        self.group.handouts.forget_owner(self.uid)
+        for owner in (self.uid, *map(id, dropped)):
+            self.group.handouts.forget_owner(owner)
         self._scan_slots()
         if dropped:
             logger.warning(
@@ -257,6 +258,7 @@ class GraphedCallable:
         evicted = self.cache.insert(entry.key, entry, seconds=entry.capture_seconds, kind=kind)
         for old in evicted:
             old.release()
+            self.group.handouts.forget_owner(id(old))
         if evicted:
             self.buffers.keep_only(self.cache.values())
 

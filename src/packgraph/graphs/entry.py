@@ -141,11 +141,22 @@ class Entry:
         """Every static tensor this entry hands out (outputs and grads)."""
         return [r.static for r in self.out_records] + [r.static for r in self.grad_records if r is not None]
 
+    def before_allocating(self, *, release: bool) -> None:
+        """Before a warm-up or capture allocates from the pool: move handed-out tensors off released memory (the
+        allocator may place this capture's tensors there), and with ``release`` (a forward capture, where a step
+        starts) release the backward results nobody holds (:mod:`packgraph.graphs.handouts`)."""
+        group = self.owner.group
+        group.handouts.before_capture(self.pool)
+        unowned = getattr(group.recorder, "unowned", None)
+        if release and unowned is not None and self.owner.share_activations:
+            group.handouts.release_idle(unowned, group.peek_seq())
+
     def warm_up(self) -> None:
         owner = self.owner
         train = not owner.forward_only
         targets = self._grad_targets() if train else []
-        if owner.buffers.has_param_grads:
+        self.before_allocating(release=True)
+        if owner.buffers.weights_warmed:
             # An earlier capture of this callable already ran every weight-grad kernel (their shapes do not depend
             # on the signature): warming up input grads alone keeps a second set of parameter grads off the peak.
             targets = targets[: len(self.grad_positions)]
@@ -178,6 +189,7 @@ class Entry:
 
         self.fwd_graph, self.static_outputs = owner.group.recorder.record(body, pool=self.pool)
         self.fwd_seq = owner.group.next_seq()
+        self._free_copied_outputs()
         self.single_output = len(self.out_template) == 1 and self.out_template[0] is _OUT
         self.nondiff = [j for j, o in enumerate(self.raw_outputs) if not o.requires_grad]
         self.trains = not owner.forward_only and len(self.nondiff) < len(self.raw_outputs)
@@ -199,6 +211,20 @@ class Entry:
                 else:
                     self.tokens.append((o, registry.register(o, owner.uid, self)))
 
+    def _free_copied_outputs(self) -> None:
+        """A later signature's forward graph copies its outputs into the primary's buffers; the tensors it copied
+        from are graph temporaries. Pointing them at the primary's memory gives theirs back to the pool, where the
+        next layer's capture may reuse it (the autograd graph needs only their metadata; an output autograd saved
+        keeps its own memory through the saved copy)."""
+        for raw, static in zip(self.raw_outputs, self.static_outputs, strict=True):
+            if raw is static or raw._base is not None or not _same_layout(raw, static):
+                continue
+            storage = static.untyped_storage()
+            # An alias that owns nothing: the primary's reference count stays the engine's own (handouts.py).
+            alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
+            with torch.no_grad(), preserve_version(raw):
+                raw.set_(alias, static.storage_offset(), static.size(), static.stride())
+
     def capture_backward(self, grad_output_buffers: dict[int, Tensor] | None = None) -> None:
         """Record the backward graph. ``grad_output_buffers[j]`` (optional) is read as the grad of output ``j``:
         the next layer's input-grad buffer in a chained stack, so no copy is needed between them."""
@@ -217,24 +243,25 @@ class Entry:
         pattern: list[bool] = []
         before = [r.refs() for r in self.out_records]
         n_in = len(self.grad_positions)
-        shared = owner.buffers.param_grads(self.trainable)
         # Without retain_graph the saved activations go back to the pool when this capture ends, and later captures
         # (other signatures) reuse them; retained, they stay this graph's alone. A stand-in recorder that runs the
         # body to record it replays by running it again on the same autograd graph: it keeps it.
         retain = not owner.share_activations or getattr(owner.group.recorder, "records_by_running", False)
 
         def body() -> list:
+            # Parameter grads and unchained input grads are each signature's own (written, never zeroed or
+            # accumulated into), released to the pool once idle (packgraph.graphs.handouts). A chained input grad
+            # is read in place by the previous layer's backward graph of any signature: it goes into the primary's
+            # buffer, which stays pinned.
             outs = [self.raw_outputs[j] for j in diff]
             grad_outs = [self.static_grad_outputs[j] for j in diff]
-            if shared is None:
-                grads = list(torch.autograd.grad(outs, targets, grad_outs, retain_graph=retain, allow_unused=True))
-            else:
-                grads = self._accumulate_into(shared, outs, grad_outs, retain)
+            grads = list(torch.autograd.grad(outs, targets, grad_outs, retain_graph=retain, allow_unused=True))
             pattern[:] = [g is not None for g in grads]
-            present = [g for g in grads if g is not None]
-            n_present_in = sum(pattern[:n_in])
-            inputs = owner.buffers.write(("grad_inputs", tuple(pattern[:n_in])), present[:n_present_in])
-            return inputs + present[n_present_in:]
+            chained = [k for k in range(n_in) if grads[k] is not None and self.chained_grad_inputs[k]]
+            shared = owner.buffers.write(("chained_grads", tuple(chained)), [grads[k] for k in chained])
+            for k, g in zip(chained, shared, strict=True):
+                grads[k] = g
+            return [g for g in grads if g is not None]
 
         self.bwd_graph, kept = owner.group.recorder.record(body, pool=self.pool)
         self.bwd_seq = owner.group.next_seq()
@@ -244,18 +271,25 @@ class Entry:
             self._drop_raw_outputs()
         it = iter(kept)
         grads = [next(it) if present else None for present in pattern]
-        if shared is None:
-            owner.buffers.keep_param_grads(self.trainable, grads[n_in:])
+        owner.buffers.weights_warmed = owner.buffers.weights_warmed or any(g is not None for g in grads[n_in:])
         self.static_grad_inputs = grads[:n_in]
+        self._record_grads(grads)
+
+    def _record_grads(self, grads: list[Tensor | None]) -> None:
+        """A :class:`~packgraph.graphs.handouts.Handout` for each backward result the caller receives, tracked for
+        release when idle. A chained input grad (the primary's buffer, read in place by the producer graph's
+        backward) is neither handed out nor released: its slot is None."""
+        owner, n_in = self.owner, len(self.grad_positions)
         self.grad_records = []
         for k, g in enumerate(grads):
             if g is None or (k < n_in and self.chained_grad_inputs[k]):
-                self.grad_records.append(None)  # absent, or read in place by the producer graph's backward
+                self.grad_records.append(None)
                 continue
             what = f"grad of input {self.grad_positions[k]}" if k < n_in else "parameter grad"
             params = () if k < n_in else (self.trainable[k - n_in],)
             name = f"{what} of {owner.name}"
-            record = owner.buffers.record(g, seq=self.bwd_seq, pool=self.pool, name=name, params=params)
+            record = Handout(g, seq=self.bwd_seq, owner=id(self), pool=self.pool, name=name, params=params)
+            owner.group.handouts.track(record)
             self.grad_records.append(record)
 
     def _drop_raw_outputs(self) -> None:
@@ -263,30 +297,6 @@ class Entry:
         buffers by its forward graph) are temporaries: their memory goes back to the pool."""
         pairs = zip(self.raw_outputs, self.static_outputs, strict=True)
         self.raw_outputs = [r if r is s else None for r, s in pairs]
-
-    def _accumulate_into(self, shared: list[Tensor], outs: list, grad_outs: list, retain: bool) -> list:
-        """The backward body of a later signature: zero the primary's parameter grads and let autograd's
-        ``AccumulateGrad`` add into them, each grad freed as soon as it is added (no second set, even at capture).
-        Returns the grads of the inputs, then the shared grads of the parameters it reached (None for the others)."""
-        inputs = [self.static_inputs[i] for i in self.grad_positions]
-        reached: set[int] = set()
-        hooks = [
-            s.register_post_accumulate_grad_hook(lambda _, k=k: reached.add(k)) for k, s in enumerate(self.stand_ins)
-        ]
-        try:
-            torch._foreach_zero_(shared)
-            for stand_in, g in zip(self.stand_ins, shared, strict=True):
-                stand_in.grad = g
-            for t in inputs:
-                t.grad = None
-            torch.autograd.backward(outs, grad_outs, inputs=[*inputs, *self.stand_ins], retain_graph=retain)
-            grads = [t.grad for t in inputs]
-        finally:
-            for hook in hooks:
-                hook.remove()
-            for t in (*inputs, *self.stand_ins):
-                t.grad = None
-        return grads + [g if k in reached else None for k, g in enumerate(shared)]
 
     def capture_backward_late(self) -> None:
         """Record the backward graph at its first use (inside autograd's backward): a signature first met at call
@@ -296,6 +306,7 @@ class Entry:
         Capturing the backward at forward time instead would let the next layer's forward capture place its
         static output where this backward keeps temporaries, and this backward (which runs last) would then
         overwrite the stack's output after ``loss.backward()``."""
+        self.before_allocating(release=False)
         consumer = self.consumer() if self.consumer is not None else None
         given = {}
         if consumer is not None and consumer.bwd_graph is not None:
@@ -338,10 +349,12 @@ class Entry:
                 return
 
     def grad_input_buffer(self, dyn_index: int) -> Tensor | None:
-        """The static grad of dynamic input ``dyn_index`` (None if it needs none)."""
+        """The static grad of dynamic input ``dyn_index``, when a graph captured later may read it in place: only
+        a chained one (pinned; a released one may share its memory with that graph's). None otherwise."""
         if self.bwd_graph is None or dyn_index not in self.grad_positions:
             return None
-        return self.static_grad_inputs[self.grad_positions.index(dyn_index)]
+        k = self.grad_positions.index(dyn_index)
+        return self.static_grad_inputs[k] if self.grad_records[k] is None else None
 
     def release(self) -> None:
         registry = self.owner.group.outputs
@@ -356,7 +369,7 @@ class Entry:
     def before_replay(self, seq: int | None, what: str) -> None:
         """The order check (:mod:`~packgraph.graphs.order`), then move handed-out tensors this replay may write."""
         check_replay_order(self, seq, what)
-        self.owner.group.handouts.before_replay(seq, self.owner.uid, self.pool)
+        self.owner.group.handouts.before_replay(seq, (self.owner.uid, id(self)), self.pool)
 
     def load(self, dyn: list) -> None:
         keep_versions = self.trains and self.bwd_graph is None
@@ -431,6 +444,10 @@ def explained_capture_errors(entry: Entry) -> Iterator[None]:
         raise safety.explain_capture_failure(
             exc, entry.owner.fn, entry.static_args, entry.static_kwargs, name=entry.owner.name
         ) from exc
+
+
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.stride() == b.stride()
 
 
 _OUT = object()  # marks a tensor slot in an output template

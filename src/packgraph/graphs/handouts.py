@@ -16,14 +16,25 @@ those eager would see. A storage still referenced after that (a view the caller 
 list) cannot be moved: the replay raises :class:`~packgraph.graphs.order.GraphOrderError` instead of overwriting it.
 
 Which replays may write a storage: the graph that owns it (and the other signatures of the same callable, which
-share its buffers), and any graph of the same pool captured before the storage was allocated (its temporaries may
-lie there). Storages are numbered by the capture that allocated them (``seq``). In the steady state (one backward
-per step, ``zero_grad(set_to_none=True)``) nobody holds last step's tensors by the first replay of the next step,
-and the check costs one reference count per handed-out storage per step, on the host.
+share its buffers), any graph of the same pool captured before the storage was allocated (its temporaries may lie
+there), and, once the storage is *released*, any graph of the pool captured after that. Storages are numbered by
+the capture that allocated them (``seq``). In the steady state (one backward per step,
+``zero_grad(set_to_none=True)``) nobody holds last step's tensors by the first replay of the next step, and the
+check costs one reference count per handed-out storage per step, on the host.
+
+Released storages. A backward graph's results (parameter and input grads) are live in a step from that backward
+until the optimizer has read them; eager frees them at ``zero_grad``. Pinned by the engine, they would stay
+allocated while a later signature (a new bucket) is captured, and its forward would need a second activation set
+beside them. So when a new signature's forward is captured, every backward result that nobody but the engine holds
+is released (:meth:`HandoutBook.release_idle`): the engine keeps an alias that does not own the memory, the block
+goes back to the pool, and the new capture may place its tensors there, as eager's allocator would. The graph still
+writes those addresses at replay, so a released storage handed out later is settled before any replay of a graph
+captured after its release, and before any capture into its pool (whose allocations may land on it).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -45,7 +56,8 @@ class Handout:
     Args:
         static: the graph's tensor (the engine keeps it; its storage is the one tracked).
         seq: the capture number that allocated it.
-        owner: uid of the callable whose graphs write it.
+        owner: who writes it at every replay: the callable's uid for a buffer all its signatures share (outputs),
+            or one entry's for a signature's own (grads).
         pool: the memory pool it lives in.
         name: used in errors (``"output 0 of layer[3] Block"``).
         params: parameters whose ``.grad`` may adopt a view of it.
@@ -63,6 +75,8 @@ class Handout:
         "ptr",
         "baseline",
         "out",
+        "released_at",
+        "__weakref__",
     )
 
     def __init__(
@@ -80,6 +94,27 @@ class Handout:
         self.ptr = static.data_ptr()
         self.baseline = _storage_refs(self.cdata)  # the engine's own references, measured before any handout
         self.out = False
+        self.released_at: int | None = None  # the capture number at which the engine let go of the memory
+
+    def release(self, unowned: Any, seq: int) -> bool:
+        """Keep the storage through an alias that does not own it (``unowned(storage, pool)``), so the pool may reuse
+        the memory in captures numbered ``seq`` and later; only when no tensor but the engine's holds it. Returns
+        whether it was released."""
+        if self.released_at is not None or _storage_refs(self.cdata) > self.baseline:
+            return False
+        static = self.static
+        alias = unowned(static.untyped_storage(), self.pool)
+        with torch.no_grad(), preserve_version(static):
+            static.set_(alias, static.storage_offset(), static.size(), static.stride())
+        self.cdata = alias._cdata
+        self.baseline = _storage_refs(self.cdata)
+        self.released_at = seq
+        self.aliases.clear()
+        return True
+
+    def exposed_to(self, seq: int) -> bool:
+        """Whether a replay of a graph of the same pool captured at ``seq`` may write this storage."""
+        return self.seq >= seq or (self.released_at is not None and seq > self.released_at)
 
     def refs(self) -> int:
         """How many tensors (the engine's and everybody else's) reference the storage now."""
@@ -134,13 +169,15 @@ class HandoutBook:
     """The handed-out storages of one capture group, by owner, settled before each replay that may write them.
 
     Per replay the owner's own records are settled; the others are scanned only when one of them may lie in the
-    replayed graph's temporaries (``seq`` at most the newest record's), which in a model's run order happens once
-    per step, at its first replay.
+    replayed graph's memory (:meth:`Handout.exposed_to`), which in a model's run order happens once per step, at
+    its first replay.
     """
 
     def __init__(self) -> None:
         self._by_owner: dict[int, dict[Handout, None]] = {}
         self._newest = 0  # an upper bound of the seq of every record out
+        self._first_release = math.inf  # a lower bound of released_at of every released record out
+        self._releasable: dict[int, weakref.ref] = {}  # backward results, released when idle
 
     def hand_out(self, record: Handout) -> Tensor:
         """A view of ``record``'s storage to return to the caller."""
@@ -148,31 +185,74 @@ class HandoutBook:
             record.out = True
             self._by_owner.setdefault(record.owner, {})[record] = None
             self._newest = max(self._newest, record.seq)
+            if record.released_at is not None:
+                self._first_release = min(self._first_release, record.released_at)
         return record.alias()
 
-    def before_replay(self, seq: int | None, owner: int, pool: Any) -> None:
-        """Settle every handed-out storage that a replay of ``owner``'s graph captured at ``seq`` may write."""
-        own = self._by_owner.pop(owner, None)
-        if own:
-            for record in own:
+    def before_replay(self, seq: int | None, owners: tuple[int, ...], pool: Any) -> None:
+        """Settle every handed-out storage that a replay of a graph captured at ``seq`` may write: the ones of its
+        ``owners`` (the callable's shared buffers, the entry's own), and the others that :meth:`Handout.exposed_to`
+        names."""
+        for owner in owners:
+            own = self._by_owner.pop(owner, None)
+            for record in own or ():
                 record.out = False
                 record.settle()
-        if seq is None or seq > self._newest or not self._by_owner:
+        if seq is None or not self._by_owner or self._newest < seq <= self._first_release:
             return
-        newest = 0
+        self._settle_others(lambda r: r.pool is pool and r.exposed_to(seq))
+
+    def before_capture(self, pool: Any) -> None:
+        """Settle every released storage of ``pool`` still handed out: the capture may allocate its memory."""
+        if self._by_owner and self._first_release < math.inf:
+            self._settle_others(lambda r: r.pool is pool and r.released_at is not None)
+
+    def _settle_others(self, exposed: Any) -> None:
+        newest, first_release = 0, math.inf
         for other in list(self._by_owner):
             records = self._by_owner[other]
-            for record in [r for r in records if r.seq >= seq and r.pool is pool]:
+            for record in [r for r in records if exposed(r)]:
                 del records[record]
                 record.out = False
                 record.settle()
-            if records:
-                newest = max(newest, max(r.seq for r in records))
-            else:
+            if not records:
                 del self._by_owner[other]
-        self._newest = newest
+                continue
+            newest = max(newest, max(r.seq for r in records))
+            released = [r.released_at for r in records if r.released_at is not None]
+            first_release = min([first_release, *released])
+        self._newest, self._first_release = newest, first_release
+
+    def track(self, record: Handout) -> None:
+        """``record`` holds a backward graph's result: :meth:`release_idle` may release it."""
+        self._releasable[id(record)] = weakref.ref(record)
+
+    def release_idle(self, unowned: Any, seq: int) -> int:
+        """Release every tracked storage that nobody but the engine holds (module docstring). Returns how many."""
+        released = 0
+        for key, ref in list(self._releasable.items()):
+            record = ref()
+            if record is None or record.released_at is not None:
+                del self._releasable[key]
+                continue
+            was_out = record.out
+            if record.release(unowned, seq):
+                released += 1
+                del self._releasable[key]
+                if was_out:  # handed out, but nobody holds it any more: nothing to settle
+                    record.out = False
+                    self._by_owner.get(record.owner, {}).pop(record, None)
+        return released
 
     def forget_owner(self, owner: int) -> None:
-        """Drop the records of a callable whose graphs are released (no replay writes their storages again)."""
+        """Drop the records of a callable whose graphs are released (no replay writes their storages again). A
+        released storage still handed out is settled first: later captures into the pool may reuse its memory."""
         for record in self._by_owner.pop(owner, {}):
             record.out = False
+            if record.released_at is not None:
+                record.settle()
+
+    def settle_released(self) -> None:
+        """Move every holder of a released storage to memory of its own (the group is going away, and with it
+        the pool that keeps the released memory from other allocations)."""
+        self._settle_others(lambda r: r.released_at is not None)

@@ -12,7 +12,11 @@ The recorder protocol (what :class:`CudaRecorder` implements, and what a stand-i
 * optional ``pool`` and ``new_pool()``: the shared pool, and a fresh one (for a capture that must not reuse the
   shared pool's memory);
 * optional ``records_by_running = True``: ``record`` runs the body (a stand-in), so the engine keeps the autograd
-  graph a backward body consumes.
+  graph a backward body consumes;
+* optional ``unowned(storage, pool) -> storage``: a storage over the same memory (of ``pool``) that does not keep
+  it allocated (the engine then releases idle backward results to the pool, :mod:`packgraph.graphs.handouts`). A
+  stand-in that implements it must treat that memory as reused by every later warm-up and capture into ``pool``
+  and every replay of a graph of ``pool`` captured after the call, as the CUDA pool may.
 
 :func:`use_recorder` is the engine's one test seam: within it, ``capture`` and ``capture_layers`` use the given
 recorder instead of a :class:`CudaRecorder`.
@@ -130,6 +134,10 @@ class CudaRecorder:
 
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
+
+    def unowned(self, storage: torch.UntypedStorage, pool: Any = None) -> torch.UntypedStorage:
+        # The block goes back to the pool when the owning storage dies; graphs keep writing its addresses.
+        return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
 
     def record(self, body: Callable[[], list], pool: Any = None) -> tuple[Any, list]:
         graph = torch.cuda.CUDAGraph()

@@ -1,0 +1,122 @@
+"""Backward results released to the pool once idle (``packgraph.graphs.handouts``), checked against eager.
+
+Each signature (here: a capacity) writes parameter grads of its own, and a new signature's forward capture releases
+the grads nobody holds. The stand-in recorder writes NaNs over released memory at every later warm-up, capture and
+replay of a graph captured after the release (what the CUDA pool may do), so a grad left on released memory while
+something could overwrite it shows up as NaN here.
+"""
+
+import gc
+
+import torch
+
+from packgraph.graphs.capture import capture_with
+from tests.eager_recorder import EagerRecorder
+from tests.graphs.test_autograd_exact import _block, _grads, _loss, _params, _same_grads, _x
+
+LENGTHS = [10, 20, 5]
+SIGS = {name: _params(LENGTHS, capacity=c) for name, c in (("A", 4), ("B", 8), ("C", 16))}
+
+
+def _entries(graphed):
+    return list(graphed.cache.values())
+
+
+def test_idle_grads_are_released_at_the_next_new_signature_and_held_ones_are_not():
+    block = _block()
+    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]))
+    recorder = graphed.group.recorder
+    _loss(graphed(_x(1), SIGS["A"])).backward()
+    held = block.attn.qkv.weight.grad
+    _loss(graphed(_x(2), SIGS["B"])).backward()  # B captured now; every p.grad still holds A's grads
+    a, b = _entries(graphed)
+    a_params = [r for r in a.grad_records if r is not None and r.params]
+    assert a_params and not any(r.released_at is not None for r in a_params)
+    block.zero_grad(set_to_none=True)
+    assert held.data_ptr() != 0  # the caller's tensor survives zero_grad, and keeps its memory
+    _loss(graphed(_x(3), SIGS["C"])).backward()  # C captured: B's grads are idle, A's qkv grad is not
+    qkv = [r for r in a_params if r.params[0] is block.attn.qkv.weight]
+    assert len(qkv) == 1 and qkv[0].released_at is None
+    assert all(r.released_at is not None for r in b.grad_records if r is not None)
+    del held
+    block.zero_grad(set_to_none=True)
+    _loss(graphed(_x(4), SIGS["A"]).sum()).backward()  # a replay: no capture, nothing released
+    assert qkv[0].released_at is None
+    block.zero_grad(set_to_none=True)
+    _loss(graphed(_x(5), _params(LENGTHS, capacity=32))).backward()  # a fourth signature: now A's are idle
+    assert all(r.released_at is not None for e in (a, b) for r in e.grad_records if r is not None)
+    assert recorder.released and recorder.poisonings > 0
+
+
+def _schedule_grads(fn, block, schedule, set_to_none):
+    """Per step, the grads after its micro-batches (``schedule``: one string of signature names per step)."""
+    out = []
+    block.zero_grad(set_to_none=True)
+    for step, names in enumerate(schedule):
+        block.zero_grad(set_to_none=set_to_none)
+        for mb, name in enumerate(names):
+            _loss(fn(_x(10 * step + mb), SIGS[name])).backward()
+        out.append(_grads(block))
+    return out
+
+
+def test_micro_batches_across_signatures_match_eager():
+    """Grads accumulate over micro-batches whose signatures differ, some captured in the middle of the step (the
+    first micro-batch's grads are then held while the new capture may allocate their memory)."""
+    schedule = ["AA", "AB", "BC", "CA", "B", "CB", "AAC"]
+    for set_to_none in (True, False):
+        block = _block()
+        graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]))
+        got = _schedule_grads(graphed, block, schedule, set_to_none)
+        want = _schedule_grads(block, block, schedule, set_to_none)
+        for g, w in zip(got, want, strict=True):
+            _same_grads(g, w)
+        assert graphed.group.recorder.released
+
+
+def test_grads_kept_across_steps_and_signatures_keep_their_values():
+    block = _block()
+    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]))
+    order = "ABACBCA"
+    history = []
+    for i, name in enumerate(order):
+        block.zero_grad(set_to_none=True)
+        _loss(graphed(_x(i), SIGS[name])).backward()
+        history.append(block.mlp.down.weight.grad)  # no clone: eager keeps each step's tensor as it was
+    assert graphed.group.recorder.released
+    for i, name in enumerate(order):
+        block.zero_grad(set_to_none=True)
+        _loss(block(_x(i), SIGS[name])).backward()
+        torch.testing.assert_close(history[i], block.mlp.down.weight.grad)
+
+
+def test_autograd_grad_results_survive_later_captures_and_replays():
+    block = _block()
+    params = list(block.parameters())
+    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]))
+    kept = torch.autograd.grad(_loss(graphed(_x(1), SIGS["A"])), params)
+    for i, name in enumerate("BCAB"):
+        block.zero_grad(set_to_none=True)
+        _loss(graphed(_x(2 + i), SIGS[name])).backward()
+    want = torch.autograd.grad(_loss(block(_x(1), SIGS["A"])), params)
+    for g, w in zip(kept, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_grads_held_when_the_graphs_go_away_keep_their_values():
+    """Released memory is safe only while the pool lives: a grad still on it when the graphed callable is dropped is
+    moved to memory of its own first."""
+    block = _block()
+    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]))
+    recorder = graphed.group.recorder
+    for i, name in enumerate("AB"):
+        block.zero_grad(set_to_none=True)
+        _loss(graphed(_x(i), SIGS[name])).backward()
+    block.zero_grad(set_to_none=True)
+    _loss(graphed(_x(5), SIGS["A"])).backward()  # A's grads were released when B was captured: p.grad is on them
+    got = _grads(block)
+    del graphed
+    gc.collect()
+    for _, pool, _ in recorder.released:
+        recorder.reuse_released(pool)  # everything released is now somebody else's memory
+    _same_grads(_grads(block), got)
