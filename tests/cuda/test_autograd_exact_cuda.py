@@ -332,7 +332,11 @@ def test_capture_layers_stack_matches_eager_across_buckets_with_one_buffer_set(r
     report("exact: stack buckets met", graphed[0].num_graphs)
 
 
-_SIGS = {name: _params([300, 0, 1, 500], capacity=c) for name, c in (("A", 4), ("B", 8), ("C", 16))}
+_CAPACITY_OF = {"A": 4, "B": 8, "C": 16}  # one signature each
+
+
+def _sig(name):
+    return _params([300, 0, 1, 500], capacity=_CAPACITY_OF[name])
 
 
 def _schedule_grads(fn, block, schedule, set_to_none):
@@ -341,7 +345,7 @@ def _schedule_grads(fn, block, schedule, set_to_none):
     for step, names in enumerate(schedule):
         block.zero_grad(set_to_none=set_to_none)
         for mb, name in enumerate(names):
-            _loss(fn(_x(10 * step + mb), _SIGS[name])).backward()
+            _loss(fn(_x(10 * step + mb), _sig(name))).backward()
         out.append(_grads(block))
     return out
 
@@ -353,7 +357,7 @@ def test_micro_batches_across_buckets_on_released_grads_match_eager(set_to_none,
     that memory first."""
     schedule = ["AA", "AB", "BC", "CA", "B", "CB", "AAC", "CC"]
     block = _block()
-    graphed = capture(block, (_x(0), _SIGS["A"]))
+    graphed = capture(block, (_x(0), _sig("A")))
     got = _schedule_grads(graphed, block, schedule, set_to_none)
     want = _schedule_grads(block, block, schedule, set_to_none)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -366,12 +370,12 @@ def test_micro_batches_across_buckets_on_released_grads_match_eager(set_to_none,
 
 def test_grads_held_across_buckets_and_after_the_graphs_go_keep_their_values():
     block = _block()
-    graphed = capture(block, (_x(0), _SIGS["A"]))
+    graphed = capture(block, (_x(0), _sig("A")))
     order = "ABACBCA"
     history = []
     for i, name in enumerate(order):
         block.zero_grad(set_to_none=True)
-        _loss(graphed(_x(i), _SIGS[name])).backward()
+        _loss(graphed(_x(i), _sig(name))).backward()
         history.append(block.mlp.down.weight.grad)  # no clone: eager keeps each step's tensor as it was
     del graphed
     torch.cuda.synchronize()
@@ -379,6 +383,33 @@ def test_grads_held_across_buckets_and_after_the_graphs_go_keep_their_values():
     scribble = torch.full((64, 2**20), float("nan"), device=DEV)  # reuse whatever memory the pool gave back
     for i, name in enumerate(order):
         block.zero_grad(set_to_none=True)
-        _loss(block(_x(i), _SIGS[name])).backward()
+        _loss(block(_x(i), _sig(name))).backward()
         _close(history[i], block.mlp.down.weight.grad, f"step {i}")
     del scribble
+
+
+def test_hidden_state_grads_kept_by_hooks_match_eager_with_two_chained_buffers(report):
+    """A stack's chained layers share two hidden-state grad buffers, each overwritten two layers later: a grad a
+    hook keeps must be moved off first, as eager's stays as it was."""
+    torch.manual_seed(0)
+    layers = [Block(GPTConfig(d_model=D, n_head=4, n_layer=4)).to(DEV, torch.bfloat16) for _ in range(4)]
+    graphed = capture_layers(layers, (_x(0), _sig("A")), buckets=default_buckets(T))
+    got = []
+    for stack in (layers, graphed):
+        kept = []
+        for step, name in enumerate("ABAB"):
+            for layer in layers:
+                layer.zero_grad(set_to_none=True)
+            h = _x(step)
+            for k, layer in enumerate(stack):
+                h = layer(h, _sig(name))
+                if k < len(layers) - 1:
+                    h.register_hook(kept.append)
+            _loss(h).backward()
+        got.append([g.float() for g in kept])
+    assert len(got[0]) == len(got[1]) == 12
+    for i, (g, w) in enumerate(zip(got[1], got[0], strict=True)):
+        _close(g, w, f"hidden-state grad {i}")
+    chain = {id(r.static) for g in graphed for e in g.cache.values() for r in e.chain_records.values()}
+    report("exact: chained grad buffers in a 4-layer stack over 2 buckets", len(chain))
+    assert len(chain) == 2

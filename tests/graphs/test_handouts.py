@@ -120,3 +120,31 @@ def test_grads_held_when_the_graphs_go_away_keep_their_values():
     for _, pool, _ in recorder.released:
         recorder.reuse_released(pool)  # everything released is now somebody else's memory
     _same_grads(_grads(block), got)
+
+
+def test_hidden_state_grads_kept_by_hooks_survive_the_shared_chained_buffer():
+    """Every chained layer writes its input grad into one buffer that the next backward overwrites: a grad a hook
+    keeps (or ``retain_grad``) must be moved off it first, as eager's would stay as it was."""
+    from packgraph.buckets import default_buckets
+    from packgraph.graphs.capture import capture_layers_with
+    from tests.graphs.test_autograd_exact import T
+
+    layers = [_block(seed) for seed in range(4)]
+    graphed = capture_layers_with(EagerRecorder(), layers, (_x(0), SIGS["A"]), buckets=default_buckets(T))
+    got = []
+    for stack in (layers, graphed):
+        kept = []
+        for step, name in enumerate("ABA"):
+            for layer in layers:
+                layer.zero_grad(set_to_none=True)
+            h = _x(step)
+            for k, layer in enumerate(stack):
+                h = layer(h, SIGS[name])
+                if k < len(layers) - 1:
+                    h.register_hook(kept.append)
+            _loss(h).backward()
+        got.append(kept)
+    assert len(got[0]) == len(got[1]) == 9
+    for g, w in zip(got[1], got[0], strict=True):
+        torch.testing.assert_close(g, w)
+    assert graphed[1].cache.get(next(iter(graphed[1].cache))).chain_records  # they did use the shared buffer

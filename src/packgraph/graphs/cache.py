@@ -18,10 +18,11 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
+import torch
 from torch import Tensor
 
 from packgraph.graphs.describe import signature_diff
-from packgraph.graphs.handouts import HandoutBook
+from packgraph.graphs.handouts import Handout, HandoutBook
 from packgraph.graphs.signature import CallSignature, ParamsPreparer
 from packgraph.params import PackedSeqParamsError
 
@@ -219,6 +220,9 @@ class OutputRegistry:
         return len(self._by_ptr)
 
 
+_OUTSIDE_POOLS = object()  # the pool of a buffer allocated outside every pool: no capture may place tensors on it
+
+
 class CaptureGroup:
     """What callables captured together share.
 
@@ -241,8 +245,32 @@ class CaptureGroup:
         self._seq = 0
         self.in_flight: dict[int, Any] = {}
         self.handouts = HandoutBook()
+        self._chain_grads: dict[tuple, Handout] = {}
+        self._chain_slots: dict[int, int] = {}  # id(buffer) -> slot
         # Handed-out views of released memory are safe only while the pool lives: move them before it goes.
         weakref.finalize(self, self.handouts.settle_released)
+
+    def chain_grad(self, like: Tensor, position: int, slot: int) -> Handout:
+        """The record of a chained grad buffer: ``like``'s layout, for input ``position``, ``slot`` 0 or 1.
+
+        A chained layer's backward graph, of any signature, writes the grad of its chained input into the buffer
+        of one slot, and the previous layer's backward graph reads it there in place while writing the other
+        slot's: a stack holds two hidden-state grads, not one per layer per signature. A grad handed out on one
+        slot stays valid until the next backward that writes that slot, which first moves it if it is still held.
+        Pinned, outside the pool."""
+        key = (tuple(like.shape), like.stride(), like.dtype, like.device, position, slot)
+        record = self._chain_grads.get(key)
+        if record is None:
+            buf = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device).zero_()
+            name = "grad of the hidden states between chained layers"
+            record = Handout(buf, seq=0, owner=("chain", key), pool=_OUTSIDE_POOLS, name=name)
+            self._chain_grads[key] = record
+            self._chain_slots[id(buf)] = slot
+        return record
+
+    def chain_slot(self, t: Tensor) -> int | None:
+        """The slot of a chained grad buffer (None for any other tensor)."""
+        return self._chain_slots.get(id(t))  # the buffers live as long as the group: their ids are theirs
 
     def next_seq(self) -> int:
         self._seq += 1

@@ -125,6 +125,7 @@ class Entry:
         self.consumer: Any = None  # weakref to the entry that reads our output in place (chained stacks)
         self.out_records: list[Handout] = []
         self.grad_records: list[Handout | None] = []
+        self.chain_records: dict[int, Handout] = {}  # input-grad index -> the stack's chained grad buffer it writes
 
     # ---------------------------------------------------------------- capture
     def _call_fn(self) -> Any:
@@ -243,6 +244,15 @@ class Entry:
         pattern: list[bool] = []
         before = [r.refs() for r in self.out_records]
         n_in = len(self.grad_positions)
+        # The chained grad buffer this graph writes is the one its output grad is not read from (two per input
+        # position and layout): the previous layer's backward then reads it while writing the other.
+        reads = {owner.group.chain_slot(g) for g in self.static_grad_outputs if g is not None}
+        slot = 1 if 0 in reads else 0
+        chain = {
+            k: owner.group.chain_grad(self.static_inputs[i], i, slot)
+            for k, i in enumerate(self.grad_positions)
+            if self.chained_grad_inputs[k]
+        }
         # Without retain_graph the saved activations go back to the pool when this capture ends, and later captures
         # (other signatures) reuse them; retained, they stay this graph's alone. A stand-in recorder that runs the
         # body to record it replays by running it again on the same autograd graph: it keeps it.
@@ -251,16 +261,18 @@ class Entry:
         def body() -> list:
             # Parameter grads and unchained input grads are each signature's own (written, never zeroed or
             # accumulated into), released to the pool once idle (packgraph.graphs.handouts). A chained input grad
-            # is read in place by the previous layer's backward graph of any signature: it goes into the primary's
-            # buffer, which stays pinned.
+            # goes into one of the stack's two chained grad buffers (CaptureGroup.chain_grad).
             outs = [self.raw_outputs[j] for j in diff]
             grad_outs = [self.static_grad_outputs[j] for j in diff]
             grads = list(torch.autograd.grad(outs, targets, grad_outs, retain_graph=retain, allow_unused=True))
             pattern[:] = [g is not None for g in grads]
-            chained = [k for k in range(n_in) if grads[k] is not None and self.chained_grad_inputs[k]]
-            shared = owner.buffers.write(("chained_grads", tuple(chained)), [grads[k] for k in chained])
-            for k, g in zip(chained, shared, strict=True):
-                grads[k] = g
+            for k, record in chain.items():
+                g = grads[k]
+                if g is not None and _same_layout(g, record.static):
+                    with torch.no_grad(), preserve_version(record.static):
+                        record.static.copy_(g)
+                    grads[k] = record.static
+                    self.chain_records[k] = record
             return [g for g in grads if g is not None]
 
         self.bwd_graph, kept = owner.group.recorder.record(body, pool=self.pool)
@@ -369,7 +381,10 @@ class Entry:
     def before_replay(self, seq: int | None, what: str) -> None:
         """The order check (:mod:`~packgraph.graphs.order`), then move handed-out tensors this replay may write."""
         check_replay_order(self, seq, what)
-        self.owner.group.handouts.before_replay(seq, (self.owner.uid, id(self)), self.pool)
+        owners = (self.owner.uid, id(self))
+        if what == "backward":
+            owners += tuple(r.owner for r in self.chain_records.values())
+        self.owner.group.handouts.before_replay(seq, owners, self.pool)
 
     def load(self, dyn: list) -> None:
         keep_versions = self.trains and self.bwd_graph is None
@@ -416,8 +431,11 @@ class Entry:
         n_in = len(self.grad_positions)
         out: list[Tensor | None] = []
         for k, record in enumerate(self.grad_records):
-            if record is None:
-                # Chained: the producer graph reads it in place; or no grad.
+            if k in self.chain_records:
+                # The producer graph reads it in place; tracked, as the next chained backward overwrites it.
+                out.append(book.hand_out(self.chain_records[k]))
+            elif record is None:
+                # Chained but not in the shared buffer (another layout): read in place; or no grad.
                 chained = self.static_grad_inputs[k] if k < n_in else None
                 out.append(chained.detach() if chained is not None else None)
             elif k >= n_in:

@@ -80,7 +80,7 @@ class Handout:
     )
 
     def __init__(
-        self, static: Tensor, *, seq: int, owner: int, pool: Any, name: str, params: tuple[Tensor, ...] = ()
+        self, static: Tensor, *, seq: int, owner: Any, pool: Any, name: str, params: tuple[Tensor, ...] = ()
     ) -> None:
         self.static = static
         self.seq = seq
@@ -174,7 +174,7 @@ class HandoutBook:
     """
 
     def __init__(self) -> None:
-        self._by_owner: dict[int, dict[Handout, None]] = {}
+        self._by_owner: dict[Any, dict[Handout, None]] = {}
         self._newest = 0  # an upper bound of the seq of every record out
         self._first_release = math.inf  # a lower bound of released_at of every released record out
         self._releasable: dict[int, weakref.ref] = {}  # backward results, released when idle
@@ -189,10 +189,10 @@ class HandoutBook:
                 self._first_release = min(self._first_release, record.released_at)
         return record.alias()
 
-    def before_replay(self, seq: int | None, owners: tuple[int, ...], pool: Any) -> None:
+    def before_replay(self, seq: int | None, owners: tuple[Any, ...], pool: Any) -> None:
         """Settle every handed-out storage that a replay of a graph captured at ``seq`` may write: the ones of its
-        ``owners`` (the callable's shared buffers, the entry's own), and the others that :meth:`Handout.exposed_to`
-        names."""
+        ``owners`` (the callable's shared buffers, the entry's own, the chained grad buffer it writes), and the
+        others that :meth:`Handout.exposed_to` names."""
         for owner in owners:
             own = self._by_owner.pop(owner, None)
             for record in own or ():
