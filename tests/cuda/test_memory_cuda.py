@@ -2,7 +2,8 @@
 
 A small GPT (d=512, 4 layers, T=2048, bf16 autocast, AdamW) trains on streams of packed batches through
 ``model.graphed(scope="layer", buckets=default_buckets(T))``. Every bucket shares one pool, one activation set and
-one set of static buffers per layer, and warm-ups allocate from the pool, so
+one set of forward buffers per layer, the stack two hidden-state grad buffers, the grads of idle buckets go back to
+the pool, and warm-ups allocate from the pool, so
 
 * a stream that visits four buckets reserves about what one that stays in one does, and peaks near eager on the
   same batches (allocated and reserved);

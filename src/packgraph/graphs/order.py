@@ -3,12 +3,13 @@
 All graphs of a capture group share one pool. Whatever a capture frees goes back to the pool, where a later capture
 may place its own tensors: temporaries are always freed at the end of their capture, and with ``share_activations``
 (the default) so are the activations a forward saves for its backward, once the backward graph is recorded. The
-graphs of one callable also share their static outputs and grad buffers, signature after signature. Graph sets of
-several signatures (buckets) then hold one set of activations and one set of buffers between them. The price is
-an order rule. Replaying a graph recorded at capture number ``s`` may overwrite
+graphs of one callable also share their static inputs and outputs, signature after signature, and the backward
+results of a signature not in use go back to the pool too (:mod:`packgraph.graphs.handouts`). Graph sets of several
+signatures (buckets) then hold one set of activations and one set of buffers between them. The price is an order
+rule. Replaying a graph recorded at capture number ``s`` may overwrite
 
 * anything captured after ``s`` (its temporaries may lie there),
-* activations freed before ``s``,
+* activations and backward results freed or released before ``s``,
 * the buffers of every graph of the same callable,
 
 which is harmless when a model runs as it was captured (each forward's backward before the next step's forwards) and
