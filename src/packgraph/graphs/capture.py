@@ -33,8 +33,9 @@ Other rules:
 * **Memory.** Everything captured together (one :func:`capture`, one :func:`capture_layers` stack, and their
   recaptures) shares one pool, warm-ups included; the signatures of one callable share its input and output
   buffers, and (``share_activations=True``) the activations a forward saves go back to the pool after capture, as
-  do the grads of a signature not in use. The order rule this needs is in :mod:`packgraph.graphs.order`. A signature first met at call time has its forward captured at
-  that call and its backward at its first backward, so captures follow the order the graphs run in.
+  do the grads of a signature not in use. The order rule this needs is in :mod:`packgraph.graphs.order`. A
+  signature first met at call time has its forward captured at that call and its backward at its first backward,
+  so captures follow the order the graphs run in.
 * **Threads and streams.** A capture group is single-threaded: call its graphs from one thread. Replays run on the
   current stream. Every capture synchronises the device first, so memory a released graph gave back to the pool is
   reused only once all streams are done with it.

@@ -355,8 +355,9 @@ class GraphedGPT(nn.Module):
     One engine capture serves every batch: one :func:`~packgraph.graphs.capture_layers` call over the blocks (or
     their halves; scope ``"model"``: one :func:`~packgraph.graphs.capture` of the whole loss) with the bucket
     policy, so all buckets share one capture group, one memory pool, one set of forward buffers per layer (the
-    grads of buckets not in use go back to the pool) and one cache. The engine captures a new bucket at its first call, in the caller's context (autocast, grad mode).
-    Parameters are the wrapped model's (``self.model``): save ``graphed.model.state_dict()``.
+    grads of buckets not in use go back to the pool) and one cache. The engine captures a new bucket at its first
+    call, in the caller's context (autocast, grad mode). Parameters are the wrapped model's (``self.model``): save
+    ``graphed.model.state_dict()``.
     """
 
     def __init__(
