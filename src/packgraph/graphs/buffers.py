@@ -24,10 +24,11 @@ from torch import Tensor
 from packgraph.graphs.handouts import Handout
 from packgraph.graphs.order import preserve_version
 
-__all__ = ["SharedBuffers"]
+__all__ = ["SharedBuffers", "fits"]
 
 
-def _fits(buf: Tensor, like: Tensor, *, same_grad_flag: bool = False) -> bool:
+def fits(buf: Tensor, like: Tensor, *, same_grad_flag: bool = False) -> bool:
+    """Same shape, dtype, device and strides (and ``requires_grad`` with ``same_grad_flag``)."""
     return (
         buf.shape == like.shape
         and buf.dtype == like.dtype
@@ -57,7 +58,7 @@ class SharedBuffers:
         """The buffer for ``role`` (an input or a grad-output slot), holding ``like``'s values (zeros with
         ``zero``): the primary's when it fits, else a new one (kept as the primary's if the role has none)."""
         buf = self._buffers.get(role)
-        if buf is not None and self._sharing() and _fits(buf, like, same_grad_flag=not zero):
+        if buf is not None and self._sharing() and fits(buf, like, same_grad_flag=not zero):
             with torch.no_grad(), preserve_version(buf):
                 buf.zero_() if zero else buf.copy_(like)
             return buf
@@ -75,7 +76,7 @@ class SharedBuffers:
             if primary is None and self.enabled:
                 self._results[role] = results
             return results
-        if not all(_fits(p, r) for p, r in zip(primary, results, strict=True)):
+        if not all(fits(p, r) for p, r in zip(primary, results, strict=True)):
             return results
         with torch.no_grad():
             for p, r in zip(primary, results, strict=True):
@@ -84,6 +85,21 @@ class SharedBuffers:
                 with preserve_version(p):
                     p.copy_(r)
         return primary
+
+    @staticmethod
+    def free_copied(raw_outputs: Sequence[Tensor], static_outputs: Sequence[Tensor]) -> None:
+        """A later signature's forward graph copies its outputs into the primary's buffers; the tensors it copied
+        from are graph temporaries. Pointing them at the primary's memory gives theirs back to the pool, where the
+        next layer's capture may reuse it (autograd needs only their metadata; an output autograd saved keeps its
+        own memory through the saved copy)."""
+        for raw, static in zip(raw_outputs, static_outputs, strict=True):
+            if raw is static or raw._base is not None or not fits(raw, static):
+                continue
+            storage = static.untyped_storage()
+            # An alias that owns nothing: the primary's reference count stays the engine's own (handouts.py).
+            alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
+            with torch.no_grad(), preserve_version(raw):
+                raw.set_(alias, static.storage_offset(), static.size(), static.stride())
 
     def record(self, static: Tensor, *, seq: int, pool: Any, name: str, params: tuple[Tensor, ...] = ()) -> Handout:
         """The :class:`~packgraph.graphs.handouts.Handout` of ``static`` (one per tensor, shared like it)."""

@@ -268,9 +268,13 @@ class CaptureGroup:
             self._chain_slots[id(buf)] = slot
         return record
 
-    def chain_slot(self, t: Tensor) -> int | None:
-        """The slot of a chained grad buffer (None for any other tensor)."""
-        return self._chain_slots.get(id(t))  # the buffers live as long as the group: their ids are theirs
+    def chain_grads(self, chained: dict[int, Tensor], grad_outputs: list) -> dict[int, Handout]:
+        """The chained grad buffer of each chained input (``position -> static input``) of a backward graph that
+        reads ``grad_outputs``: the slot its output grads are not read from, so that the previous layer's backward
+        reads it while writing the other."""
+        reads = {self._chain_slots.get(id(g)) for g in grad_outputs if g is not None}  # buffers outlive their ids
+        slot = 1 if 0 in reads else 0
+        return {i: self.chain_grad(like, i, slot) for i, like in chained.items()}
 
     def next_seq(self) -> int:
         self._seq += 1

@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from packgraph.graphs import safety
+from packgraph.graphs.buffers import fits
 from packgraph.graphs.cache import logger
 from packgraph.graphs.handouts import Handout
 from packgraph.graphs.order import check_replay_order, freed_at, preserve_version
@@ -190,7 +191,7 @@ class Entry:
 
         self.fwd_graph, self.static_outputs = owner.group.recorder.record(body, pool=self.pool)
         self.fwd_seq = owner.group.next_seq()
-        self._free_copied_outputs()
+        owner.buffers.free_copied(self.raw_outputs, self.static_outputs)
         self.single_output = len(self.out_template) == 1 and self.out_template[0] is _OUT
         self.nondiff = [j for j, o in enumerate(self.raw_outputs) if not o.requires_grad]
         self.trains = not owner.forward_only and len(self.nondiff) < len(self.raw_outputs)
@@ -212,20 +213,6 @@ class Entry:
                 else:
                     self.tokens.append((o, registry.register(o, owner.uid, self)))
 
-    def _free_copied_outputs(self) -> None:
-        """A later signature's forward graph copies its outputs into the primary's buffers; the tensors it copied
-        from are graph temporaries. Pointing them at the primary's memory gives theirs back to the pool, where the
-        next layer's capture may reuse it (the autograd graph needs only their metadata; an output autograd saved
-        keeps its own memory through the saved copy)."""
-        for raw, static in zip(self.raw_outputs, self.static_outputs, strict=True):
-            if raw is static or raw._base is not None or not _same_layout(raw, static):
-                continue
-            storage = static.untyped_storage()
-            # An alias that owns nothing: the primary's reference count stays the engine's own (handouts.py).
-            alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
-            with torch.no_grad(), preserve_version(raw):
-                raw.set_(alias, static.storage_offset(), static.size(), static.stride())
-
     def capture_backward(self, grad_output_buffers: dict[int, Tensor] | None = None) -> None:
         """Record the backward graph. ``grad_output_buffers[j]`` (optional) is read as the grad of output ``j``:
         the next layer's input-grad buffer in a chained stack, so no copy is needed between them."""
@@ -244,15 +231,10 @@ class Entry:
         pattern: list[bool] = []
         before = [r.refs() for r in self.out_records]
         n_in = len(self.grad_positions)
-        # The chained grad buffer this graph writes is the one its output grad is not read from (two per input
-        # position and layout): the previous layer's backward then reads it while writing the other.
-        reads = {owner.group.chain_slot(g) for g in self.static_grad_outputs if g is not None}
-        slot = 1 if 0 in reads else 0
-        chain = {
-            k: owner.group.chain_grad(self.static_inputs[i], i, slot)
-            for k, i in enumerate(self.grad_positions)
-            if self.chained_grad_inputs[k]
-        }
+        pairs = zip(self.grad_positions, self.chained_grad_inputs, strict=True)
+        chained = {i: self.static_inputs[i] for i, c in pairs if c}
+        by_position = owner.group.chain_grads(chained, self.static_grad_outputs)
+        chain = {k: by_position[i] for k, i in enumerate(self.grad_positions) if i in by_position}
         # Without retain_graph the saved activations go back to the pool when this capture ends, and later captures
         # (other signatures) reuse them; retained, they stay this graph's alone. A stand-in recorder that runs the
         # body to record it replays by running it again on the same autograd graph: it keeps it.
@@ -268,7 +250,7 @@ class Entry:
             pattern[:] = [g is not None for g in grads]
             for k, record in chain.items():
                 g = grads[k]
-                if g is not None and _same_layout(g, record.static):
+                if g is not None and fits(g, record.static):
                     with torch.no_grad(), preserve_version(record.static):
                         record.static.copy_(g)
                     grads[k] = record.static
@@ -462,10 +444,6 @@ def explained_capture_errors(entry: Entry) -> Iterator[None]:
         raise safety.explain_capture_failure(
             exc, entry.owner.fn, entry.static_args, entry.static_kwargs, name=entry.owner.name
         ) from exc
-
-
-def _same_layout(a: Tensor, b: Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.stride() == b.stride()
 
 
 _OUT = object()  # marks a tensor slot in an output template
