@@ -13,10 +13,12 @@ eager adopts a fresh grad), adds it otherwise, runs the parameter's hooks, and s
 reach (``torch.autograd.grad(loss, [x])``, ``backward(inputs=...)``, a frozen parameter). Views that outlive the
 replay are moved off the static memory before the next replay writes it (:mod:`packgraph.graphs.handouts`).
 
-Buffers are shared signature after signature: the first entry of a callable (its *primary*) owns the static inputs,
-outputs, grad-output buffers and grads; later entries of compatible shapes read the same input buffers and copy
-their results into the primary's buffers at the end of their graphs, so a layer holds one set however many buckets
-it meets. The replay-order rule that sharing needs is in :mod:`packgraph.graphs.order`.
+Forward buffers are shared signature after signature: the first entry of a callable (its *primary*) owns the static
+inputs, outputs and grad-output buffers; later entries of compatible shapes read the same input buffers and copy
+their outputs into the primary's at the end of their graphs (:mod:`packgraph.graphs.buffers`). Grads are each
+entry's own and go back to the pool while idle (:mod:`packgraph.graphs.handouts`), except a chained input grad,
+written into one of the stack's two chained grad buffers. A layer then holds one set however many buckets it meets.
+The replay-order rule that sharing needs is in :mod:`packgraph.graphs.order`.
 """
 
 from __future__ import annotations
@@ -271,8 +273,8 @@ class Entry:
 
     def _record_grads(self, grads: list[Tensor | None]) -> None:
         """A :class:`~packgraph.graphs.handouts.Handout` for each backward result the caller receives, tracked for
-        release when idle. A chained input grad (the primary's buffer, read in place by the producer graph's
-        backward) is neither handed out nor released: its slot is None."""
+        release when idle. A chained input grad (read in place by the producer graph's backward: a chained grad
+        buffer, or this graph's own result if its layout fits none) is never released: its slot is None."""
         owner, n_in = self.owner, len(self.grad_positions)
         self.grad_records = []
         for k, g in enumerate(grads):
