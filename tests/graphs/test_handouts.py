@@ -148,3 +148,57 @@ def test_hidden_state_grads_kept_by_hooks_survive_the_shared_chained_buffer():
     for g, w in zip(got[1], got[0], strict=True):
         torch.testing.assert_close(g, w)
     assert graphed[1].cache.get(next(iter(graphed[1].cache))).chain_records  # they did use the shared buffer
+
+
+def _eager_grad(block, seed, name):
+    block.zero_grad(set_to_none=True)
+    _loss(block(_x(seed), SIGS[name])).backward()
+    return block.mlp.down.weight.grad.clone()
+
+
+def test_a_held_released_grad_survives_evictions_and_rebinds():
+    """A grad handed out on released memory stays the caller's through every way the engine drops graphs or reuses
+    the pool: a capture, an LRU eviction of its signature, and new parameters (``_rebind``)."""
+    block = _block()
+    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]), max_graphs=2)
+    recorder = graphed.group.recorder
+    down = block.mlp.down.weight
+    order, held = "ABACB", []
+    for i, name in enumerate(order):
+        block.zero_grad(set_to_none=True)
+        _loss(graphed(_x(i), SIGS[name])).backward()
+        if i == 2:  # A's grads were released at B's capture: this one is a view of released memory
+            records = [r for e in graphed.cache.values() for r in e.grad_records if r is not None and r.params]
+            record = next(r for r in records if r.params[0] is down and r.ptr == down.grad.data_ptr())
+            assert record.released_at is not None
+        if i >= 2:  # (holding the first two would keep A's and B's grads from being released at all)
+            held.append(down.grad)  # C's capture, then B's recapture after A's eviction, may reuse it
+    assert graphed.evictions >= 1
+    with torch.no_grad():
+        block.mlp.down.weight = torch.nn.Parameter(down.detach().clone())  # new parameters: every graph dropped
+    block.zero_grad(set_to_none=True)
+    _loss(graphed(_x(9), SIGS["C"])).backward()
+    held.append(block.mlp.down.weight.grad)
+    for _, pool, _ in recorder.released:
+        recorder.reuse_released(pool)  # everything released is somebody else's memory now
+    want = [_eager_grad(block, i, name) for i, name in enumerate(order)][2:] + [_eager_grad(block, 9, "C")]
+    for i, (g, w) in enumerate(zip(held, want, strict=True)):
+        torch.testing.assert_close(g, w, msg=f"step {i}")
+
+
+def test_a_grad_on_released_memory_survives_new_parameters():
+    block = _block()
+    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]))
+    recorder = graphed.group.recorder
+    for i, name in enumerate("ABA"):
+        block.zero_grad(set_to_none=True)
+        _loss(graphed(_x(i), SIGS[name])).backward()
+    held = block.mlp.down.weight.grad  # A's, handed out on the memory B's capture released
+    assert held.untyped_storage().data_ptr() in {s.data_ptr() for s, _, _ in recorder.released}
+    with torch.no_grad():
+        block.mlp.down.weight = torch.nn.Parameter(block.mlp.down.weight.detach().clone())
+    block.zero_grad(set_to_none=True)
+    _loss(graphed(_x(3), SIGS["C"])).backward()  # every graph dropped; C captured into the same pool
+    for _, pool, _ in recorder.released:
+        recorder.reuse_released(pool)
+    torch.testing.assert_close(held, _eager_grad(block, 2, "A"))
