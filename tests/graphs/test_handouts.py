@@ -202,3 +202,18 @@ def test_a_grad_on_released_memory_survives_new_parameters():
     for _, pool, _ in recorder.released:
         recorder.reuse_released(pool)
     torch.testing.assert_close(held, _eager_grad(block, 2, "A"))
+
+
+def test_nothing_is_released_in_a_pool_the_caller_shares():
+    """A pool passed to capture() may also serve other capture groups, whose captures could reuse memory this one
+    hands out: its grads stay allocated, and still match eager."""
+    recorder = EagerRecorder()
+    recorder.shares_pool = True  # what CudaRecorder sets when capture() is given a pool
+    block = _block()
+    graphed = capture_with(recorder, block, (_x(0), SIGS["A"]))
+    got = _schedule_grads(graphed, block, ["A", "B", "C", "AB"], set_to_none=True)
+    want = _schedule_grads(block, block, ["A", "B", "C", "AB"], set_to_none=True)
+    for g, w in zip(got, want, strict=True):
+        _same_grads(g, w)
+    assert not recorder.released
+    assert all(r.released_at is None for e in graphed.cache.values() for r in e.grad_records if r is not None)

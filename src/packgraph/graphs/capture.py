@@ -414,7 +414,9 @@ def capture(
         sample_args / sample_kwargs: a representative call (a lone tensor may stand for a 1-tuple). Their static
             signature is captured now; other signatures are captured at their first call.
         num_warmup_iters: eager iterations on a side stream before each capture.
-        pool: a ``torch.cuda.graph_pool_handle()`` to share with other captures; default a fresh one.
+        pool: a ``torch.cuda.graph_pool_handle()`` to share with other captures; default a fresh one. In a shared
+            pool the grads of idle signatures stay allocated (another group's capture could reuse memory this
+            group still hands out).
         on_mismatch: ``"recapture"`` (an LRU cache) or ``"error"`` (:class:`GraphSignatureError`).
         max_graphs: the LRU's bound. Default: every bucket of ``buckets`` is kept (no eviction; a warning when a
             callable holds more than twice as many signatures, since something else static then varies), or 8

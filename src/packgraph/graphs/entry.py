@@ -152,7 +152,8 @@ class Entry:
         group = self.owner.group
         group.handouts.before_capture(self.pool)
         unowned = getattr(group.recorder, "unowned", None)
-        if release and unowned is not None and self.owner.share_activations:
+        private = not getattr(group.recorder, "shares_pool", False)
+        if release and unowned is not None and private and self.owner.share_activations:
             group.handouts.release_idle(unowned, group.peek_seq())
 
     def warm_up(self) -> None:

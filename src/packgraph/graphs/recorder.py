@@ -16,7 +16,9 @@ The recorder protocol (what :class:`CudaRecorder` implements, and what a stand-i
 * optional ``unowned(storage, pool) -> storage``: a storage over the same memory (of ``pool``) that does not keep
   it allocated (the engine then releases idle backward results to the pool, :mod:`packgraph.graphs.handouts`). A
   stand-in that implements it must treat that memory as reused by every later warm-up and capture into ``pool``
-  and every replay of a graph of ``pool`` captured after the call, as the CUDA pool may.
+  and every replay of a graph of ``pool`` captured after the call, as the CUDA pool may;
+* optional ``shares_pool = True``: the pool is also the caller's, for other capture groups, whose captures the
+  group cannot see. The engine then releases nothing.
 
 :func:`use_recorder` is the engine's one test seam: within it, ``capture`` and ``capture_layers`` use the given
 recorder instead of a :class:`CudaRecorder`.
@@ -99,6 +101,8 @@ class CudaRecorder:
     def __init__(self, pool: Any = None, device: torch.device | None = None) -> None:
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        # Another capture group may allocate in a pool the caller passed, where this group's handouts are not seen.
+        self.shares_pool = pool is not None
         self.stream = torch.cuda.Stream(self.device)
         self._held: set[Any] = set()
 
