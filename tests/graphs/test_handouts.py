@@ -217,3 +217,38 @@ def test_nothing_is_released_in_a_pool_the_caller_shares():
         _same_grads(g, w)
     assert not recorder.released
     assert all(r.released_at is None for e in graphed.cache.values() for r in e.grad_records if r is not None)
+
+
+def test_layers_of_different_signatures_in_one_stack_pass_grads_through_the_chained_buffers():
+    """Freezing one layer mid-run gives it signatures of its own while its neighbours keep theirs: the grads that
+    cross between them still equal eager's, hidden-state grads kept by hooks included."""
+    from packgraph.buckets import default_buckets
+    from packgraph.graphs.capture import capture_layers_with
+    from tests.graphs.test_autograd_exact import T
+
+    layers = [_block(seed) for seed in range(4)]
+    graphed = capture_layers_with(EagerRecorder(), layers, (_x(0), SIGS["A"]), buckets=default_buckets(T))
+
+    def run(stack, step, name):
+        kept = []
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        x = _x(step)
+        h = x
+        for k, layer in enumerate(stack):
+            h = layer(h, SIGS[name])
+            if k < len(layers) - 1:
+                h.register_hook(kept.append)
+        _loss(h).backward()
+        return [x.grad.clone(), *kept, *(_grads(layer) for layer in layers)]
+
+    for step, (name, frozen) in enumerate([("A", False), ("B", False), ("A", True), ("B", True), ("A", False)]):
+        for p in layers[2].parameters():
+            p.requires_grad_(not frozen)
+        got, want = run(graphed, step, name), run(layers, step, name)
+        for g, w in zip(got, want, strict=True):
+            if isinstance(w, dict):
+                _same_grads(g, w)
+            else:
+                torch.testing.assert_close(g, w)
+    assert [g.num_graphs for g in graphed] == [1, 1, 2, 1]  # A and B share a bucket; layer 2 frozen and not

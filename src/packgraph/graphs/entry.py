@@ -238,6 +238,10 @@ class Entry:
         chained = {i: self.static_inputs[i] for i, c in pairs if c}
         by_position = owner.group.chain_grads(chained, self.static_grad_outputs)
         chain = {k: by_position[i] for k, i in enumerate(self.grad_positions) if i in by_position}
+        for record in chain.values():
+            # What is handed out on the buffers this graph writes (the output grad it is about to read, say) moves
+            # first: a recorder that records by running the body writes them now.
+            owner.group.handouts.settle_owner(record.owner)
         # Without retain_graph the saved activations go back to the pool when this capture ends, and later captures
         # (other signatures) reuse them; retained, they stay this graph's alone. A stand-in recorder that runs the
         # body to record it replays by running it again on the same autograd graph: it keeps it.

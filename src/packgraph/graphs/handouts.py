@@ -194,13 +194,16 @@ class HandoutBook:
         ``owners`` (the callable's shared buffers, the entry's own, the chained grad buffer it writes), and the
         others that :meth:`Handout.exposed_to` names."""
         for owner in owners:
-            own = self._by_owner.pop(owner, None)
-            for record in own or ():
-                record.out = False
-                record.settle()
+            self.settle_owner(owner)
         if seq is None or not self._by_owner or self._newest < seq <= self._first_release:
             return
         self._settle_others(lambda r: r.pool is pool and r.exposed_to(seq))
+
+    def settle_owner(self, owner: Any) -> None:
+        """Settle every handed-out storage that ``owner`` writes (before its replay, or a capture that writes it)."""
+        for record in self._by_owner.pop(owner, None) or ():
+            record.out = False
+            record.settle()
 
     def before_capture(self, pool: Any) -> None:
         """Settle every released storage of ``pool`` still handed out: the capture may allocate its memory."""
