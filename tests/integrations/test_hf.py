@@ -313,3 +313,43 @@ def test_attention_casts_to_the_autocast_dtype(monkeypatch):
     assert seen == [(torch.bfloat16,) * 3] and out.dtype == torch.bfloat16
     hf.packgraph_attention(module, q, k, v.float(), None, **meta)
     assert seen[-1] == (torch.float32,) * 3
+
+
+@pytest.mark.parametrize("scope", ["layer", "attn"])
+def test_graphed_decoder_layers_train_like_eager_over_a_random_schedule(scope):
+    """An HF model and its graphed twin, trained with AdamW on one random schedule of packed batches over several
+    buckets (captured as they come), with one or two micro-batches and both ``zero_grad`` modes: logits, grads and
+    weights stay the reference's at every step."""
+    import random
+
+    from packgraph.buckets import default_buckets
+
+    config = _configs()["llama"]
+    model = _model(config, "packgraph").train().double()
+    ref = _model(config, "packgraph", model.state_dict()).train().double()
+    pool = [
+        hf.from_flattening_batch(_collate(_docs(lengths, seed)), total_tokens=TOTAL_TOKENS)
+        for seed, lengths in enumerate([DOC_LENGTHS, (40,), (1,) * 30, (7, 7, 7), (2,) * 20, (50, 3)])
+    ]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    rng = random.Random(3)
+    with use_recorder(EagerRecorder()):
+        handle = hf.graph_decoder_layers(model, pool[0], scope=scope, buckets=default_buckets(TOTAL_TOKENS))
+        for step in range(14):
+            micro = [rng.choice(pool) for _ in range(rng.choice([1, 2]))]
+            set_to_none = rng.random() < 0.6
+            logits = []
+            for m, opt in ((ref, opts[0]), (model, opts[1])):
+                opt.zero_grad(set_to_none=set_to_none)
+                for batch in micro:
+                    out = hf.packed_forward(m, batch, compute_loss=True)
+                    out.loss.backward()
+                    logits.append(out.logits.detach())
+            for a, b in zip(logits[: len(micro)], logits[len(micro) :], strict=True):
+                torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-9, msg=f"step {step}")
+            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-9, rtol=1e-8, msg=f"step {step} {name}")
+            for opt in opts:
+                opt.step()
+    assert max(g.num_graphs for g in handle.graphed) >= 2
+    handle.remove()
