@@ -197,3 +197,37 @@ def test_the_samples_signature_serves_a_call_on_the_same_batch():
     _step(graphed, batches[0])
     assert [g.captures for g in handle.graphed] == [1] * len(handle.graphed)
     assert handle.num_signatures == 1
+
+
+@pytest.mark.parametrize("scope", ["layer", "attn"])
+def test_graphed_layers_train_like_eager_over_a_random_schedule(scope):
+    """Megatron twins trained with AdamW on one random schedule: packings of several signatures (plain and padded
+    layouts, captured as they come), one or two micro-batches, both ``zero_grad`` modes. Logits, grads and weights
+    stay the eager twin's."""
+    graphed, eager = _twins(_gpt)
+    pool = _packings(6, seed=4) + _packings(2, seed=5, pad=4)
+    sample = megatron_rl_bin_params([5, 9], bin_size=T, max_sequences_per_bin=CAPACITY - 1)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, graphed)]
+    rng = random.Random(3)
+    with use_recorder(EagerRecorder()):
+        handle = graph_transformer_layers(graphed, sample, scope=scope, buckets=default_buckets(T), num_warmup_iters=1)
+        for step in range(14):
+            micro = [rng.choice(pool) for _ in range(rng.choice([1, 2]))]
+            set_to_none = rng.random() < 0.6
+            logits = []
+            for model, opt in ((eager, opts[0]), (graphed, opts[1])):
+                opt.zero_grad(set_to_none=set_to_none)
+                for batch in micro:
+                    out = packed_logits(model, batch)
+                    packed_loss(out, batch).backward()
+                    logits.append(out.detach())
+            for a, b in zip(logits[: len(micro)], logits[len(micro) :], strict=True):
+                torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=f"step {step}")
+            for (name, p), q in zip(graphed.named_parameters(), eager.parameters(), strict=True):
+                assert (p.grad is None) == (q.grad is None), name
+                if p.grad is not None:
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+            for opt in opts:
+                opt.step()
+    assert max(g.num_graphs for g in handle.graphed) >= 2
+    handle.remove()
