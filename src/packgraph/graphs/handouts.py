@@ -29,7 +29,10 @@ beside them. So when a new signature's forward is captured, every backward resul
 is released (:meth:`HandoutBook.release_idle`): the engine keeps an alias that does not own the memory, the block
 goes back to the pool, and the new capture may place its tensors there, as eager's allocator would. The graph still
 writes those addresses at replay, so a released storage handed out later is settled before any replay of a graph
-captured after its release, and before any capture into its pool (whose allocations may land on it).
+captured after its release, and before any capture into its pool (whose allocations may land on it). Nothing is
+released without ``share_activations``, nor in a pool the caller passed (other capture groups may allocate there,
+and this book does not see their captures). A chained stack's two hidden-state grad buffers are records too, written
+by every layer's backward of their slot: each such backward settles what is handed out on the slot it writes.
 """
 
 from __future__ import annotations
