@@ -122,9 +122,9 @@ def test_grads_held_when_the_graphs_go_away_keep_their_values():
     _same_grads(_grads(block), got)
 
 
-def test_hidden_state_grads_kept_by_hooks_survive_the_shared_chained_buffer():
-    """Every chained layer writes its input grad into one buffer that the next backward overwrites: a grad a hook
-    keeps (or ``retain_grad``) must be moved off it first, as eager's would stay as it was."""
+def test_hidden_state_grads_kept_by_hooks_survive_the_shared_chained_buffers():
+    """Every chained layer writes its input grad into one of two buffers, which the backward two layers down
+    overwrites: a grad a hook keeps (or ``retain_grad``) must be moved off it first, as eager's stays as it was."""
     from packgraph.buckets import default_buckets
     from packgraph.graphs.capture import capture_layers_with
     from tests.graphs.test_autograd_exact import T
