@@ -14,6 +14,8 @@ NaN instead of passing by luck.
 
 import torch
 
+from packgraph.graphs.handouts import unowned_storage
+
 
 def _poison(storage):
     n = storage.nbytes() // 4
@@ -36,7 +38,7 @@ class EagerRecorder:
     def unowned(self, storage, pool=None):
         # CPU memory has no pool: keep the block alive here and hand back an alias that does not own it.
         self.released.append((storage, pool, self.clock))
-        return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
+        return unowned_storage(storage)
 
     def reuse_released(self, pool, recorded_at=None):
         """What ``pool`` may do to its released memory: a warm-up or capture now (``recorded_at=None``), or a replay

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from packgraph.graphs.handouts import Handout
+from packgraph.graphs.handouts import Handout, unowned_storage
 from packgraph.graphs.order import preserve_version
 
 __all__ = ["SharedBuffers", "fits"]
@@ -95,9 +95,8 @@ class SharedBuffers:
         for raw, static in zip(raw_outputs, static_outputs, strict=True):
             if raw is static or raw._base is not None or not fits(raw, static):
                 continue
-            storage = static.untyped_storage()
             # An alias that owns nothing: the primary's reference count stays the engine's own (handouts.py).
-            alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
+            alias = unowned_storage(static.untyped_storage())
             with torch.no_grad(), preserve_version(raw):
                 raw.set_(alias, static.storage_offset(), static.size(), static.stride())
 

@@ -245,12 +245,11 @@ class CaptureGroup:
         self._seq = 0
         self.in_flight: dict[int, Any] = {}
         self.handouts = HandoutBook()
-        self._chain_grads: dict[tuple, Handout] = {}
-        self._chain_slots: dict[int, int] = {}  # id(buffer) -> slot
+        self._chain_grads: dict[tuple, Handout] = {}  # (layout, input position, slot) -> record
         # Handed-out views of released memory are safe only while the pool lives: move them before it goes.
         weakref.finalize(self, self.handouts.settle_released)
 
-    def chain_grad(self, like: Tensor, position: int, slot: int) -> Handout:
+    def _chain_grad(self, like: Tensor, position: int, slot: int) -> Handout:
         """The record of a chained grad buffer: ``like``'s layout, for input ``position``, ``slot`` 0 or 1.
 
         A chained layer's backward graph, of any signature, writes the grad of its chained input into the buffer
@@ -265,16 +264,15 @@ class CaptureGroup:
             name = "grad of the hidden states between chained layers"
             record = Handout(buf, seq=0, owner=("chain", key), pool=_OUTSIDE_POOLS, name=name)
             self._chain_grads[key] = record
-            self._chain_slots[id(buf)] = slot
         return record
 
     def chain_grads(self, chained: dict[int, Tensor], grad_outputs: list) -> dict[int, Handout]:
         """The chained grad buffer of each chained input (``position -> static input``) of a backward graph that
         reads ``grad_outputs``: the slot its output grads are not read from, so that the previous layer's backward
         reads it while writing the other."""
-        reads = {self._chain_slots.get(id(g)) for g in grad_outputs if g is not None}  # buffers outlive their ids
-        slot = 1 if 0 in reads else 0
-        return {i: self.chain_grad(like, i, slot) for i, like in chained.items()}
+        read = {id(g) for g in grad_outputs if g is not None}
+        slot = 1 if any(key[-1] == 0 and id(r.static) in read for key, r in self._chain_grads.items()) else 0
+        return {i: self._chain_grad(like, i, slot) for i, like in chained.items()}
 
     def next_seq(self) -> int:
         self._seq += 1

@@ -250,7 +250,7 @@ class Entry:
         def body() -> list:
             # Parameter grads and unchained input grads are each signature's own (written, never zeroed or
             # accumulated into), released to the pool once idle (packgraph.graphs.handouts). A chained input grad
-            # goes into one of the stack's two chained grad buffers (CaptureGroup.chain_grad).
+            # goes into one of the stack's two chained grad buffers (CaptureGroup.chain_grads).
             outs = [self.raw_outputs[j] for j in diff]
             grad_outs = [self.static_grad_outputs[j] for j in diff]
             grads = list(torch.autograd.grad(outs, targets, grad_outs, retain_graph=retain, allow_unused=True))

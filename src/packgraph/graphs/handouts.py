@@ -46,11 +46,16 @@ from torch import Tensor
 
 from packgraph.graphs.order import GraphOrderError, preserve_version
 
-__all__ = ["Handout", "HandoutBook"]
+__all__ = ["Handout", "HandoutBook", "unowned_storage"]
 
 
 def _storage_refs(cdata: int) -> int:
     return torch._C._storage_Use_Count(cdata)
+
+
+def unowned_storage(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """A storage over ``storage``'s memory that does not own it: holding it keeps nothing allocated."""
+    return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
 
 
 class Handout:

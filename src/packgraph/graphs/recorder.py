@@ -37,6 +37,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from packgraph.graphs import safety
+from packgraph.graphs.handouts import unowned_storage
 
 __all__ = ["CudaRecorder", "use_recorder", "recorder_for", "stand_in"]
 
@@ -141,7 +142,7 @@ class CudaRecorder:
 
     def unowned(self, storage: torch.UntypedStorage, pool: Any = None) -> torch.UntypedStorage:
         # The block goes back to the pool when the owning storage dies; graphs keep writing its addresses.
-        return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
+        return unowned_storage(storage)
 
     def record(self, body: Callable[[], list], pool: Any = None) -> tuple[Any, list]:
         graph = torch.cuda.CUDAGraph()
