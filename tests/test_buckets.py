@@ -66,15 +66,19 @@ def test_bucket_for_errors_say_what_to_change():
         policy.bucket_for(-1, 4)
 
 
-@pytest.mark.parametrize("total_tokens", [1, 5, 100, 255, 256, 257, 300, 512, 4096, 5000, 65536])
+@pytest.mark.parametrize("total_tokens", [1, 2, 5, 100, 255, 256, 257, 300, 512, 2048, 2049, 4096, 5000, 65536])
 def test_default_buckets(total_tokens):
     policy = default_buckets(total_tokens)
     seqlens, caps = policy.max_seqlen_ladder, policy.capacity_ladder
     assert seqlens[-1] == total_tokens
     powers_of_four = [4**k for k in range(4, 10) if 4**k < total_tokens]  # 256, 1024, 4096, ...
     assert list(seqlens[:-1]) == powers_of_four
-    # capacity: 8, 32, 128, ... (x4) below T, then T itself: every batch of at most T documents fits
-    assert caps == (*[8 * 4**k for k in range(12) if 8 * 4**k < total_tokens], total_tokens)
+    # capacity: 8, 32, 128, ... (x4) below T, then T itself: every batch of at most T documents fits; up to
+    # T=2048 a rung of 1 first (a batch of one document runs without ghost slots)
+    lone = (1,) if 1 < total_tokens <= 2048 else ()
+    assert caps == (*lone, *[8 * 4**k for k in range(12) if 8 * 4**k < total_tokens], total_tokens)
+    if lone:
+        assert policy.bucket_for(total_tokens, 1).capacity == 1 and policy.bucket_for(1, 2).capacity > 1
     assert policy.bucket_for(1, total_tokens).capacity == total_tokens
     assert policy.num_buckets <= 40, "default ladders must stay small"
     with pytest.raises(ValueError):

@@ -188,7 +188,7 @@ def test_a_bucketed_cache_holds_every_bucket():
 
 
 def test_a_bucketed_cache_holds_the_whole_default_ladder_at_t2048():
-    """default_buckets(2048) has 15 buckets, more than the 8 graphs an unbucketed cache keeps: cycling through all
+    """default_buckets(2048) has 18 buckets, more than the 8 graphs an unbucketed cache keeps: cycling through all
     of them three times captures each once and evicts none."""
     policy = default_buckets(2048)
     graphed = capture_with(
