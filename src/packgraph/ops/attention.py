@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from packgraph.ops.flash_chunks import SLOTS_PER_BACKWARD, flash_attention_slot_chunks
 from packgraph.params import PackedSeqParams, PackedSeqParamsError, slot_of_rows
 
 __all__ = ["varlen_attention", "varlen_attention_reference", "row_layout", "RowLayout", "flash_offsets"]
@@ -320,6 +321,8 @@ def _flash_attention(
             raise PackedSeqParamsError(name, "required (a static Python int) for FlashAttention")
     rows_q, rows_k = _row_layouts(q, k, params)
     cu_q, cu_k = flash_offsets(params)
+    many_slots = cu_q.numel() - 1 > SLOTS_PER_BACKWARD
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if q.requires_grad:
         q = _ZeroDeadRowGrad.apply(q, rows_q.live)
     if k.requires_grad:
@@ -327,7 +330,9 @@ def _flash_attention(
     if v.requires_grad:
         v = _ZeroDeadRowGrad.apply(v, rows_k.live)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = api(
+    # Many slots (ghosts included) would size FA2's backward dq accumulator by the slot count: split it.
+    run = flash_attention_slot_chunks if many_slots and grads else api
+    out = run(
         q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal=causal, softmax_scale=softmax_scale
     )
     # The kernel leaves dead rows unwritten (garbage, possibly NaN): select zeros, don't multiply.
@@ -356,7 +361,9 @@ def varlen_attention(
     Dispatch: CUDA tensors in fp16/bf16 with ``head_dim % 8 == 0`` and ``head_dim <= 256`` run torch's
     FlashAttention-2 varlen op (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10), which has a backward
     and is CUDA-graph capturable; it needs static ``max_seqlen_q`` / ``max_seqlen_kv`` (Python ints) that
-    bound every real length. Everything else runs :func:`varlen_attention_reference`.
+    bound every real length. Offsets of more than 512 slots (ghost slots count; padded twins double them) run
+    their backward in chunks of 512 slots (:mod:`packgraph.ops.flash_chunks`): FA2 sizes a backward buffer by
+    the slot count. Everything else runs :func:`varlen_attention_reference`.
 
     Args:
         q: ``[Tq, Hq, D]``.

@@ -1,0 +1,108 @@
+"""FlashAttention-2 varlen with its backward split over chunks of slots, for offsets of many slots.
+
+FA2's varlen backward allocates an fp32 dq accumulator of ``total_q + 128 * slots`` rows x heads x head_dim, where
+``slots = len(cu_seqlens) - 1`` counts ghost slots too: 516 MiB at T=2048, 8 heads of 64 and 2048 slots, where the
+same batch's 545 real documents need 148 MiB at their own count. Above :data:`SLOTS_PER_BACKWARD` slots,
+:func:`flash_attention_slot_chunks` runs the backward once per chunk of that many slots, so the accumulator stays
+``total_q + 128 * SLOTS_PER_BACKWARD`` rows whatever the capacity.
+
+Contract (what makes the split exact):
+
+* Each chunk's call reads the whole q/k/v/out/logsumexp (the offsets are absolute row indices) and writes the
+  grads of its own slots' rows only; the rest of its outputs is uninitialised. A slot's rows are one contiguous
+  range and slots do not overlap, so each row takes its grads from the one chunk whose ``[cu[first], cu[last])``
+  range holds it, by ``where`` (no sum: no rounding, and no NaN from another chunk's garbage). Rows in no chunk
+  (the tail) come out as zeros.
+* A row's grads are computed from its own sequence only, so they are the values the one-call backward gives
+  (``bench/fa_ghosts.py`` compares them on the GPU).
+* Graph-safe: the chunks are static slices of the offsets; no host read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = ["SLOTS_PER_BACKWARD", "flash_attention_slot_chunks", "backward_in_slot_chunks"]
+
+# Measured on an H200 (bench/fa_ghosts.py, T=2048, 8 heads of 64): at 2048 slots chunks of 512 hold the backward to
+# 158 MiB (one call: 530 MiB) for +28% of its time on 545 documents; chunks of 256 hold 93 MiB for +56%.
+SLOTS_PER_BACKWARD = 512
+
+ChunkBackward = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+
+
+def backward_in_slot_chunks(
+    backward: ChunkBackward, cu_q: Tensor, cu_k: Tensor, rows_q: int, rows_k: int, slots_per_call: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` from ``backward(sub_cu_q, sub_cu_k)`` run once per chunk of ``slots_per_call`` slots.
+
+    ``backward`` must return grads that are valid on its slots' rows (``[sub[0], sub[-1])`` on each side) and may
+    hold anything elsewhere. See the module docstring for why combining them by ``where`` is exact.
+    """
+    slots = cu_q.numel() - 1
+    q_rows = torch.arange(rows_q, device=cu_q.device)
+    k_rows = q_rows if rows_k == rows_q else torch.arange(rows_k, device=cu_k.device)
+    dq = dk = dv = None
+    for first in range(0, slots, slots_per_call):
+        last = min(first + slots_per_call, slots)
+        sub_q, sub_k = cu_q[first : last + 1], cu_k[first : last + 1]
+        gq, gk, gv = backward(sub_q, sub_k)
+        mine_q = ((q_rows >= sub_q[0]) & (q_rows < sub_q[-1]))[:, None, None]
+        mine_k = ((k_rows >= sub_k[0]) & (k_rows < sub_k[-1]))[:, None, None]
+        if dq is None:
+            dq, dk, dv = (torch.where(mine_q, gq, 0), torch.where(mine_k, gk, 0), torch.where(mine_k, gv, 0))
+        else:
+            dq, dk, dv = (torch.where(mine_q, gq, dq), torch.where(mine_k, gk, dk), torch.where(mine_k, gv, dv))
+    return dq, dk, dv
+
+
+class _FlashSlotChunks(torch.autograd.Function):
+    """FA2 varlen forward in one call (it has no per-slot buffer); the backward in chunks of slots."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float | None):
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, rng, unused, cu_q, cu_k)
+        ctx.static = (max_q, max_k, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse, rng, unused, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, causal, scale = ctx.static
+        grad = grad.contiguous()
+
+        def chunk(sub_q: Tensor, sub_k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            return torch.ops.aten._flash_attention_backward(
+                grad, q, k, v, out, lse, sub_q, sub_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale
+            )
+
+        dq, dk, dv = backward_in_slot_chunks(chunk, cu_q, cu_k, q.shape[0], k.shape[0], SLOTS_PER_BACKWARD)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def flash_attention_slot_chunks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+) -> Tensor:
+    """FA2 varlen attention (torch's ``aten._flash_attention_forward``, GQA native) whose backward runs in chunks
+    of :data:`SLOTS_PER_BACKWARD` slots. Same inputs and output as ``varlen_attn``; rows outside every slot are
+    left unwritten (the caller zeroes them)."""
+    if q.shape[1] != k.shape[1]:
+        # FA2 folds query heads into the sequence axis when max_seqlen_q == 1 under GQA, which assumes one row per
+        # sequence; the packed stream has more (padding, tail). A larger static bound is harmless.
+        max_q = max(max_q, 2)
+    return _FlashSlotChunks.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale)
