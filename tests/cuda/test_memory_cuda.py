@@ -46,6 +46,9 @@ def _run(stream, graphed: bool, steps_per_batch: int = 2):
     runner = model.graphed(scope="layer", buckets=default_buckets(T)) if graphed else model
     gc.collect()
     torch.cuda.synchronize()
+    # cuBLAS keeps a workspace per (thread, stream) it ran on until cleared, and torch recycles its pooled streams:
+    # without this a run's peak would depend on which workspaces earlier tests left.
+    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     peaks = []
@@ -66,6 +69,21 @@ def _run(stream, graphed: bool, steps_per_batch: int = 2):
     return peaks, captures
 
 
+def _cublas_workspace_bytes() -> int:
+    """What cuBLAS allocates for a (thread, stream) pair it has not run on: its workspace."""
+    torch._C._cuda_clearCublasWorkspaces()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        a = torch.randn(64, 64, device=DEV)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = a @ a
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+    torch._C._cuda_clearCublasWorkspaces()
+    return grown
+
+
 def test_four_buckets_peak_no_higher_than_one(report):
     one = [_batch(_FOUR[0], seed) for seed in range(4)]
     four = [_batch(lengths, seed) for seed, lengths in enumerate(_FOUR)]
@@ -81,9 +99,14 @@ def test_four_buckets_peak_no_higher_than_one(report):
     assert c_one == 1 and c_four == 4
     # Allocated memory counts a graph's activations only while it is captured (replays use pool memory the
     # allocator sees as free), and three of the four captures run after AdamW made its state: the fair comparison
-    # of allocated memory is with eager on the same batches. Reserved memory is the pool itself.
-    assert p_four[-1][0] <= 1.05 * e_four[-1][0]
-    assert p_four[-1][1] <= 1.10 * e_four[-1][1]
+    # of allocated memory is with eager on the same batches. Reserved memory is the pool itself. Graphs run cuBLAS
+    # on one more stream than eager, from the forward's thread and autograd's: two more workspaces, whatever the
+    # model's size (a large share of this 4-layer model's peak).
+    ws = _cublas_workspace_bytes()
+    report("memory: one cuBLAS workspace (MiB)", ws / 2**20)
+    report("memory: graphed / eager peak allocated, less two workspaces", (p_four[-1][0] - 2 * ws) / e_four[-1][0])
+    assert p_four[-1][0] <= 1.05 * e_four[-1][0] + 2 * ws
+    assert p_four[-1][1] <= 1.10 * e_four[-1][1] + 2 * ws
     assert reserved <= 1.08
 
 

@@ -240,6 +240,11 @@ def release(device: torch.device) -> None:
     if device.type == "cuda":
         try:
             torch.cuda.synchronize(device)
+            # cuBLAS keeps a workspace per (thread's handle, stream) it has run on (32 MiB each on an H200), held
+            # until cleared: without this a method's peak would count the workspaces of the methods before it.
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
             torch.cuda.empty_cache()
         except Exception:  # a poisoned CUDA context: let the next method report it
             pass
