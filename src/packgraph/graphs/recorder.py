@@ -104,7 +104,7 @@ class CudaRecorder:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         # Another capture group may allocate in a pool the caller passed, where this group's handouts are not seen.
         self.shares_pool = pool is not None
-        self.stream = _capture_stream(self.device)
+        self.stream = torch.cuda.Stream(self.device)
         self._held: set[Any] = set()
 
     def check_input(self, t: Tensor) -> None:
@@ -159,19 +159,6 @@ class CudaRecorder:
             safety.recover_after_failed_capture(previous, self.device, pool)
             raise
         return graph, results
-
-
-_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for every recorder (as ``torch.cuda.graph``'s default): cuBLAS keeps a workspace
-    (32 MiB on an H200) for each (thread, stream) pair it has run on, for the life of the process, so a stream per
-    capture group would add two workspaces (the forward's thread and autograd's) per group. Graphs of every group
-    then share those workspaces, as ``torch.cuda.graph``'s do: they replay in order on the caller's stream."""
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return _CAPTURE_STREAMS[device]
 
 
 def _release_pool(index: int, pool: Any) -> None:
