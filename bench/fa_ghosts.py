@@ -18,11 +18,14 @@ from __future__ import annotations
 import functools
 import json
 import platform
+import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from packgraph.bench.attention import graph_replay_ms
 
 FWD = torch.ops.aten._flash_attention_forward
 BWD = torch.ops.aten._flash_attention_backward
@@ -37,26 +40,7 @@ def _cu(lengths: list[int], capacity: int) -> torch.Tensor:
 
 
 def _median_ms(fn, reps: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    t = sorted(a.elapsed_time(b) for a, b in ev)
-    del g
-    return t[len(t) // 2]
+    return statistics.median(graph_replay_ms(fn, torch.device("cuda"), reps=reps))
 
 
 def _fwd(q, k, v, cu, max_s):

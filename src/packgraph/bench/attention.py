@@ -32,6 +32,7 @@ __all__ = [
     "candidate_ladders",
     "evaluate_ladders",
     "recommend_ladder",
+    "graph_replay_ms",
     "time_attention",
 ]
 
@@ -51,6 +52,34 @@ def attention_grid(true_max: int, num_seqs: int, T: int, policy: BucketPolicy) -
     return sorted(seqlens), sorted(capacities)
 
 
+def graph_replay_ms(fn: Callable[[], object], device: torch.device, *, reps: int, warmup: int = 2) -> list[float]:
+    """Milliseconds of each of ``reps`` replays of a CUDA graph of ``fn()``, timed with CUDA events.
+
+    ``fn`` runs ``max(warmup, 1)`` times eagerly on a side stream first (lazy initialisation stays out of the
+    capture), and the graph replays as often before the timed replays.
+    """
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 1)):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(max(warmup, 1)):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize(device)
+    times = [start.elapsed_time(end) for start, end in events]
+    del graph
+    return times
+
+
 def time_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: PackedSeqParams, *, reps: int, warmup: int = 2
 ) -> float:
@@ -68,25 +97,7 @@ def time_attention(
     if q.is_cuda:
         # Time replays of a CUDA graph of fwd+bwd, as packgraph runs it: launched eagerly, this ~1 ms region is
         # host-bound (a few dozen small kernels), so eager timings would measure Python, not the kernels' grid cost.
-        side = torch.cuda.Stream(q.device)
-        side.wait_stream(torch.cuda.current_stream(q.device))
-        with torch.cuda.stream(side):
-            for _ in range(max(warmup, 1)):
-                once()
-        torch.cuda.current_stream(q.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            once()
-        for _ in range(max(warmup, 1)):
-            graph.replay()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for start, end in events:
-            start.record()
-            graph.replay()
-            end.record()
-        torch.cuda.synchronize(q.device)
-        times = [start.elapsed_time(end) for start, end in events]
-        del graph
+        times = graph_replay_ms(once, q.device, reps=reps, warmup=warmup)
     else:
         for _ in range(warmup):
             once()
