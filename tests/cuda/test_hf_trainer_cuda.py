@@ -208,7 +208,11 @@ def _tokenizer():
 
 
 def test_trl_sft_trainer_packing_graphed_equals_eager(tmp_path, examples, report):
-    """TRL's SFTTrainer(packing=True): its best-fit packed rows, re-collated at fixed shape, graphed vs eager."""
+    """TRL's SFTTrainer(packing=True): its best-fit packed rows, re-collated at fixed shape, graphed vs eager.
+
+    Under deterministic kernels, as the Trainer test above: with FA2's atomic ``dq`` accumulation, 30 bf16 steps at
+    lr 1e-3 turn run-to-run noise into loss differences of up to a few 1e-2, which would hide a real divergence.
+    """
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     dataset = datasets.Dataset.from_dict({"input_ids": [e["input_ids"] for e in examples[:1500]]})
@@ -227,12 +231,18 @@ def test_trl_sft_trainer_packing_graphed_equals_eager(tmp_path, examples, report
             graphs=graphs, callbacks=[clock],
         )  # fmt: skip
         assert isinstance(trainer.data_collator, PackedCollator)
-        trainer.train()
+        with deterministic_kernels(True):
+            trainer.train()
         losses = torch.tensor([e["loss"] for e in trainer.state.log_history if "loss" in e])
         results[graphs] = (losses, clock.t1 - clock.t0)
     (eager, eager_s), (graphed, graphed_s) = results[False], results[True]
     rel = ((graphed - eager).abs() / eager.abs()).max().item()
-    report(f"trl SFTTrainer(packing=True) graphed vs eager: max rel loss diff ({TIMED_STEPS} steps)", f"{rel:.2e}")
-    report("trl SFTTrainer(packing=True) step-time speedup, graphed vs eager", f"{eager_s / graphed_s:.2f}", "x")
+    report(f"trl SFTTrainer(packing=True) graphed vs eager, deterministic: max rel loss diff ({TIMED_STEPS} steps)",
+           f"{rel:.2e}")  # fmt: skip
+    report("trl SFTTrainer(packing=True) graphed vs eager, deterministic: bitwise-equal steps",
+           f"{int((graphed == eager).sum())}/{TIMED_STEPS}")  # fmt: skip
+    report("trl SFTTrainer(packing=True) step-time speedup, graphed vs eager (deterministic kernels)",
+           f"{eager_s / graphed_s:.2f}", "x")  # fmt: skip
     assert len(eager) == len(graphed) == TIMED_STEPS
-    assert rel <= 2e-2
+    assert rel <= LOSS_TOL
+    assert eager[-1] < eager[0]  # it trains
