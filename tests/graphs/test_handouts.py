@@ -122,6 +122,28 @@ def test_grads_held_when_the_graphs_go_away_keep_their_values():
     _same_grads(_grads(block), got)
 
 
+def test_grads_held_when_the_graphs_go_away_inside_a_dispatch_mode_keep_their_values():
+    """The garbage collector may drop the graphs while torch.compile traces under FakeTensorMode: the grads left
+    on released memory are still moved to real memory of their own (the mode does not intercept the copies)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    block = _block()
+    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]))
+    recorder = graphed.group.recorder
+    for i, name in enumerate("AB"):
+        block.zero_grad(set_to_none=True)
+        _loss(graphed(_x(i), SIGS[name])).backward()
+    block.zero_grad(set_to_none=True)
+    _loss(graphed(_x(5), SIGS["A"])).backward()
+    got = _grads(block)
+    del graphed
+    with FakeTensorMode():
+        gc.collect()
+    for _, pool, _ in recorder.released:
+        recorder.reuse_released(pool)
+    _same_grads(_grads(block), got)
+
+
 def test_hidden_state_grads_kept_by_hooks_survive_the_shared_chained_buffers():
     """Every chained layer writes its input grad into one of two buffers, which the backward two layers down
     overwrites: a grad a hook keeps (or ``retain_grad``) must be moved off it first, as eager's stays as it was."""

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from packgraph.graphs.order import GraphOrderError, preserve_version
 
@@ -266,4 +267,7 @@ class HandoutBook:
     def settle_released(self) -> None:
         """Move every holder of a released storage to memory of its own (the group is going away, and with it
         the pool that keeps the released memory from other allocations)."""
-        self._settle_others(lambda r: r.released_at is not None)
+        # A finalizer: the garbage collector may run it inside any dispatch mode (torch.compile's FakeTensorMode,
+        # while it traces), where the copies would be fake and the holders left on memory the pool gives back.
+        with _disable_current_modes():
+            self._settle_others(lambda r: r.released_at is not None)
