@@ -5,8 +5,8 @@ A small GPT (d=512, 4 layers, T=2048, bf16 autocast, AdamW) trains on streams of
 one set of forward buffers per layer, the stack two hidden-state grad buffers, the grads of idle buckets go back to
 the pool, and warm-ups allocate from the pool, so
 
-* a stream that visits four buckets reserves about what one that stays in one does, and peaks near eager on the
-  same batches (allocated and reserved);
+* a stream that visits four buckets reserves about what one that stays in one does, and its allocated peak is
+  eager's on the same batches (its reserved peak is within a bound that the allocator's segment rounding sets);
 * capturing a new bucket mid-run does not raise the reserved peak much above the steady state's.
 
 The exact targets (allocated <= 1.00x, reserved <= 1.10x eager) are checked by ``packgraph bench``; these tests keep
@@ -69,19 +69,42 @@ def _run(stream, graphed: bool, steps_per_batch: int = 2):
     return peaks, captures
 
 
-def _cublas_workspace_bytes() -> int:
-    """What cuBLAS allocates for a (thread, stream) pair it has not run on: its workspace."""
+def _workspaces_held(graphed: bool, scope: str = "layer") -> int:
+    """Bytes of cuBLAS workspaces a model holds after two training steps: what clearing them frees."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=512, n_layer=2, n_head=8)).to(DEV)
+    runner = model.graphed(scope=scope, buckets=default_buckets(T)) if graphed else model
+    gc.collect()
+    torch.cuda.synchronize()
     torch._C._cuda_clearCublasWorkspaces()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        a = torch.randn(64, 64, device=DEV)
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        out = a @ a
-        torch.cuda.synchronize()
-        grown = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+    batch = _batch(_FOUR[0], 0)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = runner(batch)[1]
+        loss.backward()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    # The graphs keep pointers to their workspaces: clear them only once the graphs will not replay again.
     torch._C._cuda_clearCublasWorkspaces()
-    return grown
+    held -= torch.cuda.memory_allocated()
+    del runner, model, loss
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return held
+
+
+@pytest.mark.parametrize("scope", ["layer", "attn"])
+def test_graphs_hold_as_many_cublas_workspaces_as_eager(scope, report):
+    """cuBLAS keeps a workspace per (thread, stream): graphs captured on a side stream use that stream's, from the
+    forward's thread and autograd's. The eager head (and, for scope "attn", the eager MLPs) runs on the capture
+    stream too (packgraph.graphs.streams), so a graphed model holds eager's two workspaces, not four."""
+    eager, graphed = _workspaces_held(False), _workspaces_held(True, scope)
+    report(f"memory: cuBLAS workspaces held, eager / graphed scope {scope} (MiB)", f"{eager / 2**20:.0f} / "
+           f"{graphed / 2**20:.0f}")  # fmt: skip
+    assert eager > 0
+    assert graphed == eager
 
 
 def test_four_buckets_peak_no_higher_than_one(report):
@@ -99,14 +122,13 @@ def test_four_buckets_peak_no_higher_than_one(report):
     assert c_one == 1 and c_four == 4
     # Allocated memory counts a graph's activations only while it is captured (replays use pool memory the
     # allocator sees as free), and three of the four captures run after AdamW made its state: the fair comparison
-    # of allocated memory is with eager on the same batches. Reserved memory is the pool itself. Graphs run cuBLAS
-    # on one more stream than eager, from the forward's thread and autograd's: two more workspaces, whatever the
-    # model's size (a large share of this 4-layer model's peak).
-    ws = _cublas_workspace_bytes()
-    report("memory: one cuBLAS workspace (MiB)", ws / 2**20)
-    report("memory: graphed / eager peak allocated, less two workspaces", (p_four[-1][0] - 2 * ws) / e_four[-1][0])
-    assert p_four[-1][0] <= 1.05 * e_four[-1][0] + 2 * ws
-    assert p_four[-1][1] <= 1.10 * e_four[-1][1] + 2 * ws
+    # of allocated memory is with eager on the same batches. The embedding, head and loss run on the capture stream
+    # (packgraph.graphs.streams), so graphs hold eager's two cuBLAS workspaces, not two more.
+    assert p_four[-1][0] <= 1.03 * e_four[-1][0]
+    # Reserved memory is the pool itself, beside the caller's stream's cache and the capture stream's (the eager
+    # parts' tensors): three caches, each rounding to segments of its own (20 MiB for tensors of 1-10 MiB). At this
+    # 4-layer model's ~550 MiB that costs 15-25%; the 1.10x target is the benchmark's, at its models' sizes.
+    assert p_four[-1][1] <= 1.25 * e_four[-1][1]
     assert reserved <= 1.08
 
 
