@@ -103,23 +103,27 @@ def test_autograd_grad_results_survive_later_captures_and_replays():
         torch.testing.assert_close(g, w)
 
 
-def test_grads_held_when_the_graphs_go_away_keep_their_values():
-    """Released memory is safe only while the pool lives: a grad still on it when the graphed callable is dropped is
-    moved to memory of its own first."""
+def _drop_graphs_holding_released_grads(collect) -> None:
+    """Train over signatures A, B, A (A's grads were released when B was captured, and p.grad is on them), drop the
+    graphed callable, ``collect()`` the garbage, then let everything released be reused: the grads must not move."""
     block = _block()
     graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]))
     recorder = graphed.group.recorder
-    for i, name in enumerate("AB"):
+    for i, name in enumerate("ABA"):
         block.zero_grad(set_to_none=True)
-        _loss(graphed(_x(i), SIGS[name])).backward()
-    block.zero_grad(set_to_none=True)
-    _loss(graphed(_x(5), SIGS["A"])).backward()  # A's grads were released when B was captured: p.grad is on them
+        _loss(graphed(_x(i if i < 2 else 5), SIGS[name])).backward()
     got = _grads(block)
     del graphed
-    gc.collect()
+    collect()
     for _, pool, _ in recorder.released:
         recorder.reuse_released(pool)  # everything released is now somebody else's memory
     _same_grads(_grads(block), got)
+
+
+def test_grads_held_when_the_graphs_go_away_keep_their_values():
+    """Released memory is safe only while the pool lives: a grad still on it when the graphed callable is dropped is
+    moved to memory of its own first."""
+    _drop_graphs_holding_released_grads(gc.collect)
 
 
 def test_grads_held_when_the_graphs_go_away_inside_a_dispatch_mode_keep_their_values():
@@ -127,21 +131,11 @@ def test_grads_held_when_the_graphs_go_away_inside_a_dispatch_mode_keep_their_va
     on released memory are still moved to real memory of their own (the mode does not intercept the copies)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    block = _block()
-    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]))
-    recorder = graphed.group.recorder
-    for i, name in enumerate("AB"):
-        block.zero_grad(set_to_none=True)
-        _loss(graphed(_x(i), SIGS[name])).backward()
-    block.zero_grad(set_to_none=True)
-    _loss(graphed(_x(5), SIGS["A"])).backward()
-    got = _grads(block)
-    del graphed
-    with FakeTensorMode():
-        gc.collect()
-    for _, pool, _ in recorder.released:
-        recorder.reuse_released(pool)
-    _same_grads(_grads(block), got)
+    def collect_under_fake_mode():
+        with FakeTensorMode():
+            gc.collect()
+
+    _drop_graphs_holding_released_grads(collect_under_fake_mode)
 
 
 def test_hidden_state_grads_kept_by_hooks_survive_the_shared_chained_buffers():
