@@ -37,7 +37,9 @@ Other rules:
   signature first met at call time has its forward captured at that call and its backward at its first backward,
   so captures follow the order the graphs run in.
 * **Threads and streams.** A capture group is single-threaded: call its graphs from one thread. Replays run on the
-  current stream. Every capture synchronises the device first, so memory a released graph gave back to the pool is
+  current stream; :func:`~packgraph.graphs.streams.on_graph_stream` makes that the capture stream for the eager
+  code around them (what ``GraphedGPT`` and ``PackgraphTrainer`` do), so its matmuls share the graphs' cuBLAS
+  workspaces. Every capture synchronises the device first, so memory a released graph gave back to the pool is
   reused only once all streams are done with it.
 * **RNG.** Dropout draws fresh masks at every replay (torch registers the default CUDA generator with each
   capture and advances its offset per replay); the backward graph reads the masks the forward saved. Other
