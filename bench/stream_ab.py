@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import platform
 import statistics
@@ -30,11 +29,13 @@ import torch
 
 import packgraph.graphs.streams as streams
 from packgraph.bench.data import batch_stream
+from packgraph.bench.measure import _timed_steps, release
 from packgraph.bench.methods import make_method
 from packgraph.buckets import default_buckets
 from packgraph.models.gpt import GPT, GPTConfig
 
 MiB = 2**20
+CUDA = torch.device("cuda")
 VARIANTS = ("capture-stream", "caller-stream")
 
 
@@ -51,23 +52,16 @@ def _variant(name: str) -> Iterator[None]:
         streams.on_graph_stream = kept
 
 
-def _clean() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch._C._cuda_clearCublasWorkspaces()
-    torch.cuda.empty_cache()
-
-
 def _method(name: str, T: int, model_name: str):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = GPT(GPTConfig.preset(model_name))
-    return make_method(name, model, default_buckets(T), torch.device("cuda"))
+    return make_method(name, model, default_buckets(T), CUDA)
 
 
 def _memory(variant: str | None, inputs: list, T: int, model_name: str) -> dict[str, float]:
     """Peak allocated / reserved (MiB) of one method alone over ``inputs`` (eager when ``variant`` is None)."""
-    _clean()
+    release(CUDA)
     torch.cuda.reset_peak_memory_stats()
     with _variant(variant or "capture-stream"):
         method = _method("eager" if variant is None else "packgraph", T, model_name)
@@ -79,18 +73,8 @@ def _memory(variant: str | None, inputs: list, T: int, model_name: str) -> dict[
         "reserved_mib": torch.cuda.max_memory_reserved() / MiB,
     }
     del method
-    _clean()
+    release(CUDA)
     return out
-
-
-def _timed(method, inputs: list, steps: int) -> list[float]:
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    for k, (start, end) in enumerate(events):
-        start.record()
-        method.step(inputs[k % len(inputs)])
-        end.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in events]
 
 
 def main() -> int:
@@ -127,7 +111,7 @@ def main() -> int:
         for v in VARIANTS if r % 2 == 0 else reversed(VARIANTS):
             m, inputs = methods[v]
             with _variant(v):
-                ms = _timed(m, inputs, args.steps)
+                ms = _timed_steps(m, inputs, [k % len(inputs) for k in range(args.steps)])
             rounds[v].append(statistics.median(ms))
             all_ms[v].extend(ms)
         print(f"round {r}: " + ", ".join(f"{v} {rounds[v][-1]:.2f} ms" for v in VARIANTS), flush=True)
