@@ -9,6 +9,7 @@ the capture stream instead, where they share the graphs' two.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -33,14 +34,20 @@ def on_graph_stream(graphed: Any, fn: Callable[..., R], *args: Any, **kwargs: An
 
     Contract (what keeps it equal to a call on the caller's stream):
 
-    * the capture stream first waits for the caller's stream, where ``fn``'s inputs were made;
-    * at return the caller's stream waits for ``fn``'s work, and every tensor in the result (inside tuples, lists
-      and mappings) is recorded on the caller's stream, so the allocator does not reuse its memory while the
-      caller's later work reads it;
+    * the capture stream first waits for the caller's stream, where ``fn``'s inputs were made, and every tensor
+      among the arguments is recorded on the capture stream: autograd may free an input it saved when the
+      backward that read it (queued on the capture stream) has not run yet, and the caller's stream must not get
+      that memory back before then;
+    * at return the caller's stream waits for ``fn``'s work. The results belong to the capture stream's cache, and
+      they are not recorded on the caller's stream: when the caller frees one, the next work that could reuse its
+      memory on the capture stream is ordered after the caller's reads of it (the next call's first wait, or the
+      sync autograd makes at the start of a backward). Recording them would keep each freed result allocated
+      until the caller's stream catches up, on top of the next step's peak;
     * a backward through the results runs ``fn``'s ops on the capture stream, and autograd makes the caller's
       stream wait for them (PyTorch's stream semantics of backward passes). Grads autograd creates there (the
       ``.grad`` of parameters ``fn`` used) belong to the capture stream; the next call's wait orders its work after
       the caller's use of them.
+    * if ``fn`` raises, the caller's stream still waits for the work ``fn`` queued before it raised.
 
     Graphs replayed inside ``fn`` run on the capture stream too. Without a CUDA recorder (a CPU stand-in), or when
     the caller is already on that stream, ``fn`` runs as it is.
@@ -52,17 +59,24 @@ def on_graph_stream(graphed: Any, fn: Callable[..., R], *args: Any, **kwargs: An
     if caller == stream:
         return fn(*args, **kwargs)
     stream.wait_stream(caller)
-    with torch.cuda.stream(stream):
-        result = fn(*args, **kwargs)
-    caller.wait_stream(stream)
-    _record_on(result, caller)
+    _record_on((args, kwargs), stream)
+    try:
+        with torch.cuda.stream(stream):
+            result = fn(*args, **kwargs)
+    finally:
+        caller.wait_stream(stream)
     return result
 
 
 def _record_on(obj: Any, stream: torch.cuda.Stream) -> None:
+    """Record every CUDA tensor in ``obj`` (nested in tuples, lists, mappings and dataclasses such as
+    :class:`~packgraph.params.PackedSeqParams`) on ``stream``."""
     if isinstance(obj, Tensor):
         if obj.is_cuda:
             obj.record_stream(stream)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _record_on(getattr(obj, f.name), stream)
     elif isinstance(obj, Mapping):
         for v in obj.values():
             _record_on(v, stream)
