@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from packgraph.buckets import default_buckets
+from packgraph.graphs.slots import release_spare_pools
 from packgraph.models.gpt import GPT, GPTConfig
 from packgraph.packing import PackedBatch
 
@@ -65,6 +66,7 @@ def _run(stream, graphed: bool, steps_per_batch: int = 2):
     del runner, model, opt, loss
     gc.collect()
     torch.cuda.synchronize()
+    release_spare_pools()  # the next run's reserved peak would count them
     torch.cuda.empty_cache()
     return peaks, captures
 
@@ -140,3 +142,36 @@ def test_capturing_a_new_bucket_mid_run_keeps_the_reserved_peak(report):
     report("memory: reserved peak after 3 new-bucket captures / steady", worst / steady)
     assert captures == 4
     assert worst <= 1.08 * steady
+
+
+def test_chained_grad_buffers_are_allocated_only_while_a_backward_runs(report):
+    """Eager holds the hidden-state grads only during its backward; the stack's two chained grad buffers are one
+    block of a memory pool of their own, allocated at a step's first backward replay and freed at the next forward
+    (packgraph.graphs.slots). ``torch.cuda.empty_cache()`` between steps keeps the pool's segment, so the block
+    comes back at the address the graphs write (a lend checks it), and the grads stay eager's."""
+    from tests.cuda.test_gpt_cuda import GRAD_RTOL, LOSS_ATOL, loss_and_grads
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=512, n_layer=4, n_head=8)).to(DEV)
+    graphed = model.graphed(scope="layer", buckets=default_buckets(T))
+    batches = [_batch(lengths, seed) for seed, lengths in enumerate(_FOUR)] + [_batch(_FOUR[0], 7)]
+    lent_bytes = []
+    for i, batch in enumerate(batches):
+        g_loss, g_grads = loss_and_grads(model, graphed, batch)
+        blocks = list(graphed.callables[0].group.slots._blocks.values())
+        assert len(blocks) == 1 and blocks[0].owner is not None  # lent by the backward, until the next forward
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            graphed(batch)  # a forward: the block goes back to its pool
+        assert blocks[0].owner is None
+        slots = graphed.callables[0].group.slots
+        slots.lend()
+        before = torch.cuda.memory_allocated()
+        slots.give_back()
+        lent_bytes.append(before - torch.cuda.memory_allocated())
+        torch.cuda.empty_cache()
+        e_loss, e_grads = loss_and_grads(model, model, batch)
+        assert float((g_loss - e_loss).abs()) <= LOSS_ATOL, i
+        for name, e in e_grads.items():
+            assert float((g_grads[name] - e).abs().max()) <= GRAD_RTOL * (float(e.abs().max()) + 1e-6), (i, name)
+    report("memory: chained grad block freed at each forward (MiB)", f"{blocks[0].nbytes / 2**20:.0f}")
+    assert all(n == blocks[0].nbytes for n in lent_bytes), lent_bytes

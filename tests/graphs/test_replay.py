@@ -438,9 +438,9 @@ def test_recaptured_stack_records_graphs_in_run_order_and_chains_grads(monkeypat
         order.append(("fwd", names[id(self.owner)]))
         fwd(self)
 
-    def log_bwd(self, given=None):
+    def log_bwd(self, given=None, **kwargs):
         order.append(("bwd", names[id(self.owner)]))
-        bwd(self, given)
+        bwd(self, given, **kwargs)
 
     monkeypatch.setattr(Entry, "capture_forward", log_fwd)
     monkeypatch.setattr(Entry, "capture_backward", log_bwd)

@@ -13,6 +13,7 @@ import torch
 
 from packgraph.bench.methods import Method
 from packgraph.bench.profiling import KernelProfile, gpu_busy_ms
+from packgraph.graphs.slots import release_spare_pools
 from packgraph.packing import PackedBatch
 
 __all__ = ["Measurement", "measure", "release"]
@@ -245,6 +246,9 @@ def release(device: torch.device) -> None:
             clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear_workspaces is not None:
                 clear_workspaces()
+            # the memory pools the finished method's chained grad buffers left for reuse: the next method's peak
+            # reserved memory would count them
+            release_spare_pools()
             torch.cuda.empty_cache()
         except Exception:  # a poisoned CUDA context: let the next method report it
             pass

@@ -24,6 +24,7 @@ from torch import Tensor
 from packgraph.graphs.describe import signature_diff
 from packgraph.graphs.handouts import Handout, HandoutBook
 from packgraph.graphs.signature import CallSignature, ParamsPreparer
+from packgraph.graphs.slots import ChainGradSlots
 from packgraph.params import PackedSeqParamsError
 
 __all__ = ["GraphSignatureError", "GraphCache", "OutputRegistry", "CaptureGroup", "ON_MISMATCH", "logger"]
@@ -220,9 +221,6 @@ class OutputRegistry:
         return len(self._by_ptr)
 
 
-_OUTSIDE_POOLS = object()  # the pool of a buffer allocated outside every pool: no capture may place tensors on it
-
-
 class CaptureGroup:
     """What callables captured together share.
 
@@ -245,34 +243,24 @@ class CaptureGroup:
         self._seq = 0
         self.in_flight: dict[int, Any] = {}
         self.handouts = HandoutBook()
-        self._chain_grads: dict[tuple, Handout] = {}  # (layout, input position, slot) -> record
+        self.slots = ChainGradSlots(cuda=isinstance(getattr(recorder, "stream", None), torch.cuda.Stream))
         # Handed-out views of released memory are safe only while the pool lives: move them before it goes.
         weakref.finalize(self, self.handouts.settle_released)
-
-    def _chain_grad(self, like: Tensor, position: int, slot: int) -> Handout:
-        """The record of a chained grad buffer: ``like``'s layout, for input ``position``, ``slot`` 0 or 1.
-
-        A chained layer's backward graph, of any signature, writes the grad of its chained input into the buffer
-        of one slot, and the previous layer's backward graph reads it there in place while writing the other
-        slot's: a stack holds two hidden-state grads, not one per layer per signature. A grad handed out on one
-        slot stays valid until the next backward that writes that slot, which first moves it if it is still held.
-        Pinned, outside the pool."""
-        key = (tuple(like.shape), like.stride(), like.dtype, like.device, position, slot)
-        record = self._chain_grads.get(key)
-        if record is None:
-            buf = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device).zero_()
-            name = "grad of the hidden states between chained layers"
-            record = Handout(buf, seq=0, owner=("chain", key), pool=_OUTSIDE_POOLS, name=name)
-            self._chain_grads[key] = record
-        return record
+        weakref.finalize(self, self.slots.close)
 
     def chain_grads(self, chained: dict[int, Tensor], grad_outputs: list) -> dict[int, Handout]:
         """The chained grad buffer of each chained input (``position -> static input``) of a backward graph that
         reads ``grad_outputs``: the slot its output grads are not read from, so that the previous layer's backward
-        reads it while writing the other."""
+        reads it while writing the other (:mod:`packgraph.graphs.slots`). A grad handed out on one slot stays valid
+        until the next backward that writes that slot, which first moves it if it is still held."""
         read = {id(g) for g in grad_outputs if g is not None}
-        slot = 1 if any(key[-1] == 0 and id(r.static) in read for key, r in self._chain_grads.items()) else 0
-        return {i: self._chain_grad(like, i, slot) for i, like in chained.items()}
+        slot = 1 if any(id(r.static) in read and r.owner[-1] == 0 for r in self.slots.records()) else 0
+        return {i: self.slots.record(like, i, slot) for i, like in chained.items()}
+
+    def chain_grad_output(self, like: Tensor) -> Handout:
+        """The buffer the last layer of a chained stack reads the grad of its output from: slot 1 of the hidden
+        states' layout, so that its own input grad goes to slot 0 and the stack holds two such buffers, not three."""
+        return self.slots.record(like, 0, 1)
 
     def next_seq(self) -> int:
         self._seq += 1

@@ -330,7 +330,7 @@ def _capture_stack(
             if chained_grad is not None:
                 given[0] = chained_grad
         with explained_capture_errors(entry):
-            entry.capture_backward(given)
+            entry.capture_backward(given, last_in_stack=k + 1 == len(entries))
         entry.capture_seconds += time.perf_counter() - t0
     return entries
 

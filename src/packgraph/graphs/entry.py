@@ -129,6 +129,7 @@ class Entry:
         self.out_records: list[Handout] = []
         self.grad_records: list[Handout | None] = []
         self.chain_records: dict[int, Handout] = {}  # input-grad index -> the stack's chained grad buffer it writes
+        self.grad_output_records: list[Handout] = []  # the chained grad buffer it reads its output's grad from
 
     # ---------------------------------------------------------------- capture
     def _call_fn(self) -> Any:
@@ -151,6 +152,8 @@ class Entry:
         starts) release the backward results nobody holds (:mod:`packgraph.graphs.handouts`)."""
         group = self.owner.group
         group.handouts.before_capture(self.pool)
+        if release:
+            group.slots.give_back()
         unowned = getattr(group.recorder, "unowned", None)
         private = not getattr(group.recorder, "shares_pool", False)
         if release and unowned is not None and private and self.owner.share_activations:
@@ -216,18 +219,28 @@ class Entry:
                 else:
                     self.tokens.append((o, registry.register(o, owner.uid, self)))
 
-    def capture_backward(self, grad_output_buffers: dict[int, Tensor] | None = None) -> None:
+    def capture_backward(
+        self, grad_output_buffers: dict[int, Tensor] | None = None, *, last_in_stack: bool = False
+    ) -> None:
         """Record the backward graph. ``grad_output_buffers[j]`` (optional) is read as the grad of output ``j``:
-        the next layer's input-grad buffer in a chained stack, so no copy is needed between them."""
+        the next layer's input-grad buffer in a chained stack, so no copy is needed between them. The last layer of
+        a chained stack (``last_in_stack``) reads the grad of its output from one of the stack's two chained grad
+        buffers (:mod:`packgraph.graphs.slots`)."""
         owner = self.owner
         if not self.trains:
             return
+        owner.group.slots.lend()
         diff = [j for j, o in enumerate(self.raw_outputs) if o.requires_grad]
         targets = self._grad_targets()
         given = grad_output_buffers or {}
         self.static_grad_outputs: list[Tensor | None] = [None] * len(self.raw_outputs)
+        self.grad_output_records = []
         for j in diff:
             self.static_grad_outputs[j] = given.get(j)
+            if self.static_grad_outputs[j] is None and j == 0 and last_in_stack and owner.group.chain:
+                record = owner.group.chain_grad_output(self.raw_outputs[0])
+                self.static_grad_outputs[0] = record.static
+                self.grad_output_records.append(record)
             if self.static_grad_outputs[j] is None:
                 self.static_grad_outputs[j] = owner.buffers.get(("grad_output", j), self.raw_outputs[j], zero=True)
         self.grad_plan = [(j, g, g.data_ptr()) for j, g in enumerate(self.static_grad_outputs) if g is not None]
@@ -238,7 +251,7 @@ class Entry:
         chained = {i: self.static_inputs[i] for i, c in pairs if c}
         by_position = owner.group.chain_grads(chained, self.static_grad_outputs)
         chain = {k: by_position[i] for k, i in enumerate(self.grad_positions) if i in by_position}
-        for record in chain.values():
+        for record in [*chain.values(), *self.grad_output_records]:
             # What is handed out on the buffers this graph writes (the output grad it is about to read, say) moves
             # first: a recorder that records by running the body writes them now.
             owner.group.handouts.settle_owner(record.owner)
@@ -317,7 +330,7 @@ class Entry:
         t0 = time.perf_counter()
         try:
             with explained_capture_errors(self):
-                self.capture_backward(given)
+                self.capture_backward(given, last_in_stack=consumer is None)
         except RuntimeError as exc:
             if "modified by an inplace operation" not in str(exc):
                 raise
@@ -372,7 +385,10 @@ class Entry:
         check_replay_order(self, seq, what)
         owners = (self.owner.uid, id(self))
         if what == "backward":
-            owners += tuple(r.owner for r in self.chain_records.values())
+            # the chained grad buffers it writes: the one of its input grad, and the one its output grad is copied into
+            owners += tuple(r.owner for r in (*self.chain_records.values(), *self.grad_output_records))
+        else:
+            self.owner.group.slots.give_back()  # a forward: the stack's backward is over (or not started)
         self.owner.group.handouts.before_replay(seq, owners, self.pool)
 
     def load(self, dyn: list) -> None:
@@ -491,6 +507,7 @@ class Replay(torch.autograd.Function):
             )
         entry.flight = None
         entry.owner.group.in_flight.pop(id(entry), None)
+        entry.owner.group.slots.lend()
         if entry.bwd_graph is None:
             entry.capture_backward_late()
         entry.before_replay(entry.bwd_seq, "backward")
