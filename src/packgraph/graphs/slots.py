@@ -34,9 +34,9 @@ __all__ = ["ChainGradSlots", "release_spare_pools"]
 
 # Blocks whose group went away while a caller still held a tensor on them: kept, so that tensor stays valid.
 _KEPT_FOR_HOLDERS: list[Any] = []
-# The pools of closed groups' blocks, by (device, block size), for the next block of that size: a MemPool destroyed
-# by the garbage collector (inside a warm-up that routes allocations to a graph pool, say) can abort the process,
-# so pools are destroyed only by release_spare_pools(), at a point the caller chooses.
+# The pools of closed groups' blocks, by (device, block size), for the next block of that size. A pool destroyed by
+# the garbage collector aborted the process once (inside a warm-up that routes allocations to a graph pool, with the
+# pool's block still allocated), so pools are destroyed only by release_spare_pools(), at a point the caller chooses.
 _SPARE_POOLS: dict[tuple[torch.device, int], list[Any]] = {}
 # One allocation stream per device for every block: the allocator reuses a free block only on the stream it was
 # allocated on, and a spare pool's block must be reusable by the next group.
@@ -44,9 +44,9 @@ _ALLOC_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def release_spare_pools() -> None:
-    """Destroy the memory pools that closed capture groups left for reuse, giving their memory back to the caching
-    allocator's own cache. Call it between runs (after dropping the graphs and a ``gc.collect()``), not during a
-    capture or warm-up; ``packgraph.bench`` calls it between methods."""
+    """Destroy the memory pools that closed capture groups left for reuse, which releases the memory they reserve.
+    Call it between runs (after dropping the graphs and a ``gc.collect()``), not during a capture or warm-up;
+    ``packgraph.bench`` calls it between methods."""
     if _SPARE_POOLS:
         torch.cuda.synchronize()
         _SPARE_POOLS.clear()
