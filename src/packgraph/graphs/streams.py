@@ -10,11 +10,13 @@ the capture stream instead, where they share the graphs' two.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+
+from packgraph.params import PackedSeqParams
 
 __all__ = ["on_graph_stream", "graph_stream"]
 
@@ -69,17 +71,27 @@ def on_graph_stream(graphed: Any, fn: Callable[..., R], *args: Any, **kwargs: An
 
 
 def _record_on(obj: Any, stream: torch.cuda.Stream) -> None:
-    """Record every CUDA tensor in ``obj`` (nested in tuples, lists, mappings and dataclasses such as
-    :class:`~packgraph.params.PackedSeqParams`) on ``stream``."""
+    """Record every CUDA tensor in ``obj`` on ``stream`` (see :func:`_tensors_in`)."""
+    for t in _tensors_in(obj):
+        if t.is_cuda:
+            t.record_stream(stream)
+
+
+def _tensors_in(obj: Any) -> Iterator[Tensor]:
+    """The tensors in ``obj``, nested in tuples, lists, mappings and dataclasses. A
+    :class:`~packgraph.params.PackedSeqParams` gives its :meth:`~packgraph.params.PackedSeqParams.graph_inputs`:
+    walking its host offsets (a tuple of ints per field, as long as the capacity) would cost milliseconds per call
+    at the large rungs."""
     if isinstance(obj, Tensor):
-        if obj.is_cuda:
-            obj.record_stream(stream)
+        yield obj
+    elif isinstance(obj, PackedSeqParams):
+        yield from obj.graph_inputs().values()
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            _record_on(getattr(obj, f.name), stream)
+            yield from _tensors_in(getattr(obj, f.name))
     elif isinstance(obj, Mapping):
         for v in obj.values():
-            _record_on(v, stream)
+            yield from _tensors_in(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            _record_on(v, stream)
+            yield from _tensors_in(v)
