@@ -192,13 +192,14 @@ class ChainGradSlots:
             return
         if any(r.refs() > r.baseline for r in self._records.values()):
             return
+        # A group's slots are all in lent blocks (CUDA with MemPool) or all tensors of their own (see record()).
         for block in self._blocks.values():
             block.owner = None
-        in_blocks = {id(s) for b in self._blocks.values() for s in b.statics}  # freed now: never written
-        with torch.no_grad():
-            for r in self._records.values():
-                if id(r.static) not in in_blocks and r.static.is_floating_point():
-                    r.static.fill_(float("nan"))
+        if not self._blocks:
+            with torch.no_grad():
+                for r in self._records.values():
+                    if r.static.is_floating_point():
+                        r.static.fill_(float("nan"))
         self._lent = False
 
     def close(self) -> None:
