@@ -10,14 +10,13 @@ dir; run on a GPU: ``python3 bench/capacity_rung.py OUT_DIR``.
 from __future__ import annotations
 
 import json
-import platform
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from packgraph.bench.attention import time_attention
+from packgraph.bench.machine import machine_info
 from packgraph.params import PackedSeqParams
 
 
@@ -51,10 +50,7 @@ def main(out_dir: str) -> None:
             rows.append(row)
             print(row, flush=True)
     meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **machine_info(torch.device("cuda")),
         "heads": heads,
         "head_dim": head_dim,
         "max_seqlen": 256,

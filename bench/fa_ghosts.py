@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import functools
 import json
-import platform
 import statistics
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from packgraph.bench.attention import graph_replay_ms
+from packgraph.bench.machine import machine_info
 
 FWD = torch.ops.aten._flash_attention_forward
 BWD = torch.ops.aten._flash_attention_backward
@@ -124,10 +123,7 @@ def main(out_dir: str, reps: int = 50) -> None:
     torch.manual_seed(0)
     print(FWD.default._schema, BWD.default._schema, sep="\n", flush=True)
     result = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **machine_info(torch.device("cuda")),
         "reps": reps,
         "few_docs": few_docs(reps),
         "chunked_bwd": chunked_bwd(reps),

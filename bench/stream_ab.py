@@ -18,17 +18,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import sys
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 import packgraph.graphs.streams as streams
 from packgraph.bench.data import batch_stream
+from packgraph.bench.machine import machine_info
 from packgraph.bench.measure import _timed_steps, release
 from packgraph.bench.methods import make_method
 from packgraph.buckets import default_buckets
@@ -117,13 +116,7 @@ def main() -> int:
         print(f"round {r}: " + ", ".join(f"{v} {rounds[v][-1]:.2f} ms" for v in VARIANTS), flush=True)
 
     result = {
-        "machine": {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        },
+        "machine": machine_info(CUDA),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "memory_mib": memory,
         "memory_over_eager": {
