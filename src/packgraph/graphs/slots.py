@@ -34,9 +34,10 @@ __all__ = ["ChainGradSlots", "release_spare_pools"]
 
 # Blocks whose group went away while a caller still held a tensor on them: kept, so that tensor stays valid.
 _KEPT_FOR_HOLDERS: list[Any] = []
-# The pools of closed groups' blocks, by (device, block size), for the next block of that size. A pool destroyed by
-# the garbage collector aborted the process once (inside a warm-up that routes allocations to a graph pool, with the
-# pool's block still allocated), so pools are destroyed only by release_spare_pools(), at a point the caller chooses.
+# The pools of closed groups' blocks, by (device, segment size), for the next block of that segment size. A pool
+# destroyed by the garbage collector aborted the process once (inside a warm-up that routes allocations to a graph
+# pool, with the pool's block still allocated), so pools are destroyed only by release_spare_pools(), at a point the
+# caller chooses.
 _SPARE_POOLS: dict[tuple[torch.device, int], list[Any]] = {}
 # One allocation stream per device for every block: the allocator reuses a free block only on the stream it was
 # allocated on, and a spare pool's block must be reusable by the next group.
@@ -71,9 +72,12 @@ def _alloc_stream(device: torch.device) -> torch.cuda.Stream:
 OUTSIDE_POOLS = object()  # the pool of a slot: no graph pool, so no capture may place tensors on it
 
 # The caching allocator gives a request of 10 MiB or more a segment of exactly its size rounded up to 2 MiB; a
-# smaller one would get a 20 MiB segment. A block padded to that size reserves no more than it needs.
+# smaller one would get a 20 MiB segment. So the pool's one segment is made by a request of at least 10 MiB, and
+# the block is then carved from it at its own size: the allocator splits a free block when more than 1 MiB would
+# be left over (else it hands out the whole block, which the allocated statistic then counts).
 _MIN_EXACT_SEGMENT = 10 * 2**20
 _SEGMENT_ROUNDING = 2 * 2**20
+_SPLIT_REMAINDER = 2**20
 _ALIGN = 512
 
 
@@ -97,11 +101,15 @@ class _Block:
         # under a live allocation leaves the allocator a block of a pool it no longer has.
         self.owner: Tensor | None = None
         slot = math.ceil(_span_bytes(like) / _ALIGN) * _ALIGN
-        wanted = max(2 * slot, _MIN_EXACT_SEGMENT)
-        self.nbytes = math.ceil(wanted / _SEGMENT_ROUNDING) * _SEGMENT_ROUNDING
+        self.segment_bytes = math.ceil(max(2 * slot, _MIN_EXACT_SEGMENT) / _SEGMENT_ROUNDING) * _SEGMENT_ROUNDING
+        split = self.segment_bytes - 2 * slot > _SPLIT_REMAINDER
+        # What a lend allocates, as the allocated statistic counts it.
+        self.nbytes = 2 * slot if split else self.segment_bytes
         self.device = like.device
         self.stream = _alloc_stream(self.device)
-        self.pool = _take_pool(self.device, self.nbytes)
+        self.pool = _take_pool(self.device, self.segment_bytes)
+        primer = self._allocate(self.segment_bytes)  # makes the segment (a spare pool has it already, free)
+        del primer
         self.owner = self._allocate()
         self.ptr = self.owner.data_ptr()
         self.slot_bytes = slot
@@ -110,9 +118,9 @@ class _Block:
             for s in self.statics:
                 s.zero_()
 
-    def _allocate(self) -> Tensor:
+    def _allocate(self, nbytes: int | None = None) -> Tensor:
         with torch.cuda.use_mem_pool(self.pool, self.device), torch.cuda.stream(self.stream):
-            return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            return torch.empty(nbytes or self.nbytes, dtype=torch.uint8, device=self.device)
 
     def _view(self, like: Tensor, k: int) -> Tensor:
         # A storage over the slot's bytes that does not own them: the block's owner tensor does, while lent.
@@ -124,7 +132,7 @@ class _Block:
         """Free the block and keep its pool for the next block of its size (see ``_SPARE_POOLS``)."""
         self.owner = None
         if self.pool is not None:
-            _SPARE_POOLS.setdefault((self.device, self.nbytes), []).append(self.pool)
+            _SPARE_POOLS.setdefault((self.device, self.segment_bytes), []).append(self.pool)
             self.pool = None
 
     def lend(self) -> None:
