@@ -129,7 +129,10 @@ def _memory(by_cell: Cells) -> list[dict[str, Any]]:
             label = f"{cell_label(pg)} {method}"
             if pg.get("peak_mem_mib") and eager.get("peak_mem_mib"):
                 ratio = pg["peak_mem_mib"] / eager["peak_mem_mib"]
-                alloc.append((ratio <= 1.00, f"{label}: {pg['peak_mem_mib']:.0f} MiB = {ratio:.2f}x"))
+                detail = f"{label}: {pg['peak_mem_mib']:.0f} MiB = {ratio:.4f}x"
+                if pg.get("peak_requested_mib") and eager.get("peak_requested_mib"):
+                    detail += f" (requested {pg['peak_requested_mib'] / eager['peak_requested_mib']:.4f}x)"
+                alloc.append((ratio <= 1.00, detail))
             if pg.get("peak_reserved_mib") and eager.get("peak_reserved_mib"):
                 ratio = pg["peak_reserved_mib"] / eager["peak_reserved_mib"]
                 reserved.append((ratio <= 1.10, f"{label}: {ratio:.2f}x"))

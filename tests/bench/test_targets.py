@@ -22,7 +22,11 @@ def test_targets_from_results():
     assert targets["first step >= 10x faster than compile reduce-overhead"]["met"] is True  # 15 s vs 1 s
     assert targets["<= 8 graphs over the varied batches (200 in a full run)"]["met"] is True
     assert targets["packgraph peak allocated <= 1.00x eager, every cell and method"]["met"] is False  # 1.05x
-    assert "1.05x" in targets["packgraph peak allocated <= 1.00x eager, every cell and method"]["detail"]
+    # the detail gives the requested bytes beside the allocated ones (the allocator's block slack told apart)
+    assert (
+        "1050 MiB = 1.0500x (requested 0.9900x)"
+        in targets["packgraph peak allocated <= 1.00x eager, every cell and method"]["detail"]
+    )
     assert targets["packed+graphed tokens/s >= 2x padded eager on the corpus mix"]["met"] is True  # 30 / 5 = 6x
     assert targets["attention under default buckets <= 1.10x eager true-max time, every mix"]["met"] is None
 

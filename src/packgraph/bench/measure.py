@@ -45,6 +45,7 @@ class Measurement:
     peak_mem_mib: float | None
     peak_mem_timed_mib: float | None
     peak_reserved_mib: float | None
+    peak_requested_mib: float | None
     elapsed_s: float
     extra: dict[str, Any]
 
@@ -208,6 +209,9 @@ def measure(
     peak = _mib(torch.cuda.max_memory_allocated(device)) if cuda else None
     # Reserved counts what tensors do not: graph-pool memory that is free between captures, allocator caching.
     peak_reserved = _mib(torch.cuda.max_memory_reserved(device)) if cuda else None
+    # Requested counts tensors at the sizes asked for; allocated counts the blocks that held them, which are larger
+    # by up to 1 MiB each where the allocator hands out a cached block without splitting it.
+    peak_requested = _peak_requested_mib(device) if cuda else None
     return Measurement(
         timer="cuda-events" if cuda else "perf-counter",
         steps=len(times),
@@ -225,10 +229,17 @@ def measure(
         peak_mem_mib=peak,
         peak_mem_timed_mib=peak_timed,
         peak_reserved_mib=peak_reserved,
+        peak_requested_mib=peak_requested,
         elapsed_s=time.perf_counter() - started,
         extra=method.extra(),
         **_kernel_fields(kernels),
     )
+
+
+def _peak_requested_mib(device: torch.device) -> float | None:
+    """Peak of the bytes tensors asked for (the allocator's ``requested_bytes``), None where torch lacks it."""
+    peak = torch.cuda.memory_stats(device).get("requested_bytes.all.peak")
+    return _mib(peak) if peak is not None else None
 
 
 def release(device: torch.device) -> None:

@@ -66,6 +66,7 @@ RECORD_FIELDS: dict[str, tuple[type, ...]] = {
     "peak_mem_mib": (float, type(None)),
     "peak_mem_timed_mib": (float, type(None)),
     "peak_reserved_mib": (float, type(None)),
+    "peak_requested_mib": (float, type(None)),
     "elapsed_s": (float, type(None)),
     "extra": (dict,),
     "run": (int,),
