@@ -16,16 +16,22 @@ Contract (what makes the split exact):
 * A row's grads are computed from its own sequence only, so they are the values the one-call backward gives
   (``bench/fa_ghosts.py`` compares them on the GPU).
 * Graph-safe: the chunks are static slices of the offsets; no host read.
+
+Memory: the first call's grads become the results (its rows outside the chunk zeroed in place) and each later
+call's rows are written into them in place, so the results are held while the later calls run. Those calls take
+fewer slots (:func:`later_slots`), enough fewer that their accumulator plus the held results is no larger than the
+first call's accumulator: the backward's peak is its first call's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["SLOTS_PER_BACKWARD", "flash_attention_slot_chunks", "backward_in_slot_chunks"]
+__all__ = ["SLOTS_PER_BACKWARD", "flash_attention_slot_chunks", "backward_in_slot_chunks", "later_slots"]
 
 # Measured on an H200 (bench/fa_ghosts.py, T=2048, 8 heads of 64): at 2048 slots chunks of 512 hold the backward to
 # 158 MiB (one call: 530 MiB) for +28% of its time on 545 documents; chunks of 256 hold 93 MiB for +56%.
@@ -35,28 +41,51 @@ ChunkBackward = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 
 
 def backward_in_slot_chunks(
-    backward: ChunkBackward, cu_q: Tensor, cu_k: Tensor, rows_q: int, rows_k: int, slots_per_call: int
+    backward: ChunkBackward,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    rows_q: int,
+    rows_k: int,
+    slots_per_call: int,
+    slots_per_later_call: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` from ``backward(sub_cu_q, sub_cu_k)`` run once per chunk of ``slots_per_call`` slots.
+    """``(dq, dk, dv)`` from ``backward(sub_cu_q, sub_cu_k)`` run on the first ``slots_per_call`` slots, then on
+    chunks of ``slots_per_later_call`` (default: the same).
 
-    ``backward`` must return grads that are valid on its slots' rows (``[sub[0], sub[-1])`` on each side) and may
-    hold anything elsewhere. See the module docstring for why combining them by ``where`` is exact.
+    ``backward`` must return new grad tensors that are valid on its slots' rows (``[sub[0], sub[-1])`` on each
+    side) and may hold anything elsewhere; the first call's are written in place. See the module docstring for why
+    combining them by ``where`` is exact.
     """
     slots = cu_q.numel() - 1
+    later = slots_per_call if slots_per_later_call is None else slots_per_later_call
     q_rows = torch.arange(rows_q, device=cu_q.device)
     k_rows = q_rows if rows_k == rows_q else torch.arange(rows_k, device=cu_k.device)
     dq = dk = dv = None
-    for first in range(0, slots, slots_per_call):
-        last = min(first + slots_per_call, slots)
+    first, size = 0, slots_per_call
+    while first < slots:
+        last = min(first + size, slots)
         sub_q, sub_k = cu_q[first : last + 1], cu_k[first : last + 1]
         gq, gk, gv = backward(sub_q, sub_k)
         mine_q = ((q_rows >= sub_q[0]) & (q_rows < sub_q[-1]))[:, None, None]
         mine_k = ((k_rows >= sub_k[0]) & (k_rows < sub_k[-1]))[:, None, None]
         if dq is None:
-            dq, dk, dv = (torch.where(mine_q, gq, 0), torch.where(mine_k, gk, 0), torch.where(mine_k, gv, 0))
+            dq, dk, dv = gq.masked_fill_(~mine_q, 0), gk.masked_fill_(~mine_k, 0), gv.masked_fill_(~mine_k, 0)
         else:
-            dq, dk, dv = (torch.where(mine_q, gq, dq), torch.where(mine_k, gk, dk), torch.where(mine_k, gv, dv))
+            torch.where(mine_q, gq, dq, out=dq)
+            torch.where(mine_k, gk, dk, out=dk)
+            torch.where(mine_k, gv, dv, out=dv)
+        del gq, gk, gv  # not held through the next call
+        first, size = last, later
     return dq, dk, dv
+
+
+def later_slots(q: Tensor, k: Tensor, v: Tensor, slots_per_call: int) -> int:
+    """Slots per call after the first, for which the call's FA2 backward buffers plus the held results (grads the
+    size of q, k and v) are no larger than the first call's buffers: FA2 sizes its fp32 dq accumulator and softmax
+    sums by ``128 * slots`` rows x query heads x (head_dim rounded up to 32, plus one)."""
+    held = sum(t.numel() * t.element_size() for t in (q, k, v))
+    per_slot = 128 * q.shape[1] * (math.ceil(q.shape[2] / 32) * 32 + 1) * 4
+    return max(1, slots_per_call - math.ceil(held / per_slot))
 
 
 class _FlashSlotChunks(torch.autograd.Function):
@@ -82,7 +111,8 @@ class _FlashSlotChunks(torch.autograd.Function):
                 grad, q, k, v, out, lse, sub_q, sub_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale
             )
 
-        dq, dk, dv = backward_in_slot_chunks(chunk, cu_q, cu_k, q.shape[0], k.shape[0], SLOTS_PER_BACKWARD)
+        later = later_slots(q, k, v, SLOTS_PER_BACKWARD)
+        dq, dk, dv = backward_in_slot_chunks(chunk, cu_q, cu_k, q.shape[0], k.shape[0], SLOTS_PER_BACKWARD, later)
         return dq, dk, dv, None, None, None, None, None, None
 
 
