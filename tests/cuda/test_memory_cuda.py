@@ -124,9 +124,11 @@ def test_four_buckets_peak_no_higher_than_one(report):
     assert c_one == 1 and c_four == 4
     # Allocated memory counts a graph's activations only while it is captured (replays use pool memory the
     # allocator sees as free), and three of the four captures run after AdamW made its state: the fair comparison
-    # of allocated memory is with eager on the same batches. The embedding, head and loss run on the capture stream
-    # (packgraph.graphs.streams), so graphs hold eager's two cuBLAS workspaces, not two more.
-    assert p_four[-1][0] <= 1.03 * e_four[-1][0]
+    # of allocated memory is with eager on the same batches. Those three capture the whole stack at the first
+    # layer's call, before the head and loss allocate (GraphedCallable._stack_to_recapture), so no capture adds to
+    # eager's peak. The embedding, head and loss run on the capture stream (packgraph.graphs.streams), so graphs
+    # hold eager's two cuBLAS workspaces, not two more.
+    assert p_four[-1][0] <= e_four[-1][0]
     # Reserved memory is the pool itself, beside the caller's stream's cache and the capture stream's (the eager
     # parts' tensors): three caches, each rounding to segments of its own (20 MiB for tensors of 1-10 MiB). At this
     # 4-layer model's ~550 MiB that costs 15-25%; the 1.10x target is the benchmark's, at its models' sizes.
@@ -173,5 +175,7 @@ def test_chained_grad_buffers_are_allocated_only_while_a_backward_runs(report):
         assert float((g_loss - e_loss).abs()) <= LOSS_ATOL, i
         for name, e in e_grads.items():
             assert float((g_grads[name] - e).abs().max()) <= GRAD_RTOL * (float(e.abs().max()) + 1e-6), (i, name)
-    report("memory: chained grad block freed at each forward (MiB)", f"{blocks[0].nbytes / 2**20:.0f}")
+    report("memory: chained grad block freed at each forward (MiB)", f"{blocks[0].nbytes / 2**20:.1f}")
     assert all(n == blocks[0].nbytes for n in lent_bytes), lent_bytes
+    # Two fp32 [T, 512] slots (8 MiB) sit in a 10 MiB segment; a lend allocates the 8 MiB, not the segment.
+    assert blocks[0].nbytes == 2 * T * 512 * 4 < blocks[0].segment_bytes

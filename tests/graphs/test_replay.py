@@ -424,12 +424,8 @@ def test_capture_layers_chain_matches_eager_without_copies():
     assert [g.captures for g in graphed] == [1, 1, 1]
 
 
-def test_recaptured_stack_records_graphs_in_run_order_and_chains_grads(monkeypatch):
-    """A signature first met at call time: each layer's forward is captured at its call and its backward at its
-    first backward, so the stack's graphs are recorded in the order they run (a backward captured at forward time
-    could put its temporaries under the next layer's static output, which it would then overwrite)."""
-    layers = _stack()
-    graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), _params([10, 0, 20, 5])))
+def _log_captures(monkeypatch, graphed):
+    """The ``("fwd" | "bwd", layer)`` of every capture from now on, in order."""
     names = {id(g): k for k, g in enumerate(graphed)}
     order = []
     fwd, bwd = Entry.capture_forward, Entry.capture_backward
@@ -444,13 +440,24 @@ def test_recaptured_stack_records_graphs_in_run_order_and_chains_grads(monkeypat
 
     monkeypatch.setattr(Entry, "capture_forward", log_fwd)
     monkeypatch.setattr(Entry, "capture_backward", log_bwd)
+    return order
+
+
+def test_recaptured_stack_is_captured_whole_at_the_first_layer_and_chains_grads(monkeypatch):
+    """A signature first met by a training call is new to every layer of the stack: the first layer's call captures
+    all of them, forwards in order then backwards in reverse (as the initial capture does), before the rest of the
+    step allocates; the step then only replays, and outputs and grads are eager's."""
+    layers = _stack()
+    graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), _params([10, 0, 20, 5])))
+    order = _log_captures(monkeypatch, graphed)
     q = _params([6, 6, 6], pad=2)  # padded offsets: a new signature
     layers.zero_grad(set_to_none=True)
     x = _x(3)
-    out = _run_stack(graphed, x, q)
-    assert order == [("fwd", 0), ("fwd", 1), ("fwd", 2)]
+    out = graphed[0](x, q)
+    assert order == [("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 2), ("bwd", 1), ("bwd", 0)]
+    out = _run_stack(graphed[1:], out, q)
     out.pow(2).sum().backward()
-    assert order[3:] == [("bwd", 2), ("bwd", 1), ("bwd", 0)]
+    assert len(order) == 6  # nothing captured after the first layer's call
     got = (out.detach().clone(), x.grad, [w.grad.clone() for w in layers.parameters()])
     new = [g.cache.values()[-1] for g in graphed]
     for prev, nxt in zip(new, new[1:], strict=False):
@@ -462,6 +469,77 @@ def test_recaptured_stack_records_graphs_in_run_order_and_chains_grads(monkeypat
     ref.pow(2).sum().backward()
     _assert_same(got, (ref.detach(), xr.grad, [w.grad for w in layers.parameters()]))
     assert [g.captures for g in graphed] == [2, 2, 2]
+    assert [g.recaptures for g in graphed] == [1, 1, 1]
+
+
+def test_recapture_without_grad_captures_each_forward_at_its_call(monkeypatch):
+    """Under no_grad a new signature needs no backward: each layer's forward is captured at its call. A later
+    training call reuses the first layer's graph (its input's signature is the same) and captures its backward at
+    first use; the other layers' inputs now require grad, a signature of their own, captured at their calls."""
+    layers = _stack()
+    graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), _params([10, 0, 20, 5])))
+    order = _log_captures(monkeypatch, graphed)
+    q = _params([6, 6, 6], pad=2)
+    with torch.no_grad():
+        y = graphed[0](_x(3), q)
+        assert order == [("fwd", 0)]
+        y = _run_stack(graphed[1:], y, q)
+    assert order == [("fwd", 0), ("fwd", 1), ("fwd", 2)]
+    layers.zero_grad(set_to_none=True)
+    x = _x(4)
+    out = _run_stack(graphed, x, q)
+    assert order[3:] == [("fwd", 1), ("fwd", 2)]
+    out.pow(2).sum().backward()
+    assert order[5:] == [("bwd", 2), ("bwd", 1), ("bwd", 0)]
+    got = (out.detach().clone(), x.grad, [w.grad.clone() for w in layers.parameters()])
+    layers.zero_grad(set_to_none=True)
+    xr = _x(4)
+    ref = _run_stack(layers, xr, q)
+    ref.pow(2).sum().backward()
+    _assert_same(got, (ref.detach(), xr.grad, [w.grad for w in layers.parameters()]))
+
+
+def test_recapture_falls_back_to_each_layer_when_the_layers_saw_different_signatures(monkeypatch):
+    """A stack whose layers do not share a history (one called alone with another signature) is not captured
+    whole: a signature new to the first layer may not be new to the others. Each layer captures at its call."""
+    layers = _stack()
+    graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), _params([10, 0, 20, 5])))
+    graphed[1](_x(1), _params([30, 2], capacity=4)).sum().backward()  # layer 1 alone: a signature of its own
+    order = _log_captures(monkeypatch, graphed)
+    q = _params([6, 6, 6], pad=2)
+    layers.zero_grad(set_to_none=True)
+    x = _x(3)
+    out = _run_stack(graphed, x, q)
+    assert order == [("fwd", 0), ("fwd", 1), ("fwd", 2)]
+    out.pow(2).sum().backward()
+    assert order[3:] == [("bwd", 2), ("bwd", 1), ("bwd", 0)]
+    got = (out.detach().clone(), x.grad, [w.grad.clone() for w in layers.parameters()])
+    layers.zero_grad(set_to_none=True)
+    xr = _x(3)
+    ref = _run_stack(layers, xr, q)
+    ref.pow(2).sum().backward()
+    _assert_same(got, (ref.detach(), xr.grad, [w.grad for w in layers.parameters()]))
+
+
+def test_whole_stack_recapture_keeps_held_outputs_of_another_signature():
+    """Capturing a new signature for the whole stack replays its forwards (real values for the next layer's
+    warm-up) into the layers' shared output buffers: outputs of another signature the caller still holds (all
+    hidden states, say) move off those buffers first and keep their values."""
+    layers = _stack()
+    p = _params([10, 0, 20, 5])
+    graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), p))
+    x = _x(1)
+    hidden = [x]
+    for g in graphed:
+        hidden.append(g(hidden[-1], p))
+    hidden[-1].pow(2).sum().backward()
+    held = [h.detach().clone() for h in hidden[1:]]
+    q = _params([6, 6, 6], pad=2)
+    out = _run_stack(graphed, _x(2), q)  # a new signature, captured whole at the first layer
+    out.pow(2).sum().backward()
+    assert [g.captures for g in graphed] == [2, 2, 2]
+    for h, want in zip(hidden[1:], held, strict=True):
+        torch.testing.assert_close(h.detach(), want, rtol=0, atol=0)
 
 
 def test_backward_captured_at_first_use_ignores_refilled_static_buffers():

@@ -100,6 +100,9 @@ class GraphCache(Generic[E]):
     def values(self) -> list[E]:
         return list(self._entries.values())
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
     def get(self, key: CallSignature) -> E | None:
         """The graph for ``key`` (marked most recently used), or None."""
         entry = self._entries.get(key)
@@ -244,6 +247,7 @@ class CaptureGroup:
         self.in_flight: dict[int, Any] = {}
         self.handouts = HandoutBook()
         self.slots = ChainGradSlots(cuda=isinstance(getattr(recorder, "stream", None), torch.cuda.Stream))
+        self._stack: list[weakref.ref] = []
         # Handed-out views of released memory are safe only while the pool lives: move them before it goes.
         weakref.finalize(self, self.handouts.settle_released)
         weakref.finalize(self, self.slots.close)
@@ -261,6 +265,15 @@ class CaptureGroup:
         """The buffer the last layer of a chained stack reads the grad of its output from: slot 1 of the hidden
         states' layout, so that its own input grad goes to slot 0 and the stack holds two such buffers, not three."""
         return self.slots.record(like, 0, 1)
+
+    def set_stack(self, callables: list[Any]) -> None:
+        """The group's callables in the order a chained stack calls them (``capture_layers``)."""
+        self._stack = [weakref.ref(c) for c in callables]
+
+    def stack(self) -> list[Any]:
+        """The chained stack's callables, in order; empty when there is none or one of them is gone."""
+        stack = [r() for r in self._stack]
+        return stack if all(c is not None for c in stack) else []
 
     def next_seq(self) -> int:
         self._seq += 1

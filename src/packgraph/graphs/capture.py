@@ -35,7 +35,9 @@ Other rules:
   buffers, and (``share_activations=True``) the activations a forward saves go back to the pool after capture, as
   do the grads of a signature not in use. The order rule this needs is in :mod:`packgraph.graphs.order`. A
   signature first met at call time has its forward captured at that call and its backward at its first backward,
-  so captures follow the order the graphs run in.
+  so captures follow the order the graphs run in. In a chained stack, a training call's new signature is captured
+  for every layer at the first layer's call, forwards then backwards (as :func:`capture_layers` does at first):
+  the capture then runs before the loss and head allocate, and its peak stays under the step's.
 * **Threads and streams.** A capture group is single-threaded: call its graphs from one thread. Replays run on the
   current stream; :func:`~packgraph.graphs.streams.on_graph_stream` makes that the capture stream for the eager
   code around them (what ``GraphedGPT`` and ``PackgraphTrainer`` do), so its matmuls share the graphs' cuBLAS
@@ -56,6 +58,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from packgraph.graphs.buffers import SharedBuffers
@@ -229,6 +232,9 @@ class GraphedCallable:
 
     def _recapture(self, key: CallSignature, args: tuple, kwargs: dict) -> Entry:
         self.cache.check_new(key)
+        stack = self._stack_to_recapture()
+        if stack is not None:
+            return self._recapture_stack(stack, args, kwargs)
         # The backward waits for its first use: captures then follow the order the graphs run in (see
         # Entry.capture_backward_late), and a forward-only use never captures one.
         (entry,) = _capture_stack([self], args, kwargs, backward=False)
@@ -244,6 +250,30 @@ class GraphedCallable:
         self.recaptures += 1
         self._insert(entry)
         return entry
+
+    def _stack_to_recapture(self) -> list[GraphedCallable] | None:
+        """The chained stack this callable heads, to capture whole at a new signature of a training call.
+
+        Captured layer by layer instead, each backward at its first use, a new signature's captures would run
+        during the step: the last layer's backward capture (its temporaries, FlashAttention's accumulator sized by
+        the bucket's capacity) on top of the loss and head that eager's peak holds. Captured whole at the first
+        layer's call, forwards then backwards as the initial :func:`capture_layers` does, they run before the
+        loss exists. Only where every layer has seen the same signatures (a bucket is new to all of them), and
+        not for calls without grad, which capture forwards only.
+        """
+        stack = self.group.stack()
+        if len(stack) < 2 or stack[0] is not self or self.forward_only or not torch.is_grad_enabled():
+            return None
+        if any(len(g.cache) != len(self.cache) or g.captures != self.captures for g in stack):
+            return None
+        return stack
+
+    def _recapture_stack(self, stack: list[GraphedCallable], args: tuple, kwargs: dict) -> Entry:
+        entries = _capture_stack(stack, args, kwargs, new_only=True)
+        for g, entry in zip(stack, entries, strict=False):
+            g.recaptures += 1
+            g._insert(entry)
+        return entries[0]
 
     def _insert(self, entry: Entry) -> None:
         opaque = identity_statics(entry.key)
@@ -293,12 +323,14 @@ def _name_of(fn: Callable) -> str:
 
 
 def _capture_stack(
-    graphed: Sequence[GraphedCallable], args: tuple, kwargs: dict, *, backward: bool = True
+    graphed: Sequence[GraphedCallable], args: tuple, kwargs: dict, *, backward: bool = True, new_only: bool = False
 ) -> list[Entry]:
     """Capture ``x = g(x, *args[1:], **kwargs)`` for each ``g`` in turn: forwards in order, then backwards in
     reverse (the order a model runs them). One callable is the plain single capture. In a chained group each
     layer reads the previous layer's static output in place, and each backward reads the next layer's input-grad
-    buffer as its output grad. ``backward=False`` leaves each backward graph to be captured at its first use."""
+    buffer as its output grad. ``backward=False`` leaves each backward graph to be captured at its first use.
+    ``new_only`` (a recapture): a layer that has a graph for its signature already ends the stack there, and the
+    layers before it get their backward graphs at first use, as a layer-by-layer recapture would."""
     entries: list[Entry] = []
     started = []
     for k, g in enumerate(graphed):
@@ -313,12 +345,18 @@ def _capture_stack(
             args = (out.detach().requires_grad_(out.requires_grad), *args[1:])
         started.append(time.perf_counter())
         key, dyn = g.signature(args, kwargs)
+        if new_only and k > 0 and key in g.cache:
+            backward = False
+            break
         entry = Entry(g, key, args, kwargs, dyn)
         with explained_capture_errors(entry):
             entry.warm_up()
             entry.capture_forward()
         if k + 1 < len(graphed):
-            entry.fwd_graph.replay()  # real values in the output the next layer warms up on
+            # real values in the output the next layer warms up on; a held output of another signature of this
+            # layer (the same buffer) moves first, as at any forward replay
+            entry.before_replay(entry.fwd_seq, "forward")
+            entry.fwd_graph.replay()
         entry.capture_seconds = time.perf_counter() - started[-1]
         entries.append(entry)
     for k in reversed(range(len(entries)) if backward else ()):
@@ -329,6 +367,7 @@ def _capture_stack(
             chained_grad = entries[k + 1].grad_input_buffer(0)
             if chained_grad is not None:
                 given[0] = chained_grad
+        entry.before_allocating(release=False)  # as a backward captured at first use does
         with explained_capture_errors(entry):
             entry.capture_backward(given, last_in_stack=k + 1 == len(entries))
         entry.capture_seconds += time.perf_counter() - t0
@@ -387,6 +426,8 @@ def capture_layers_with(
         graphed, _capture_stack(graphed, _as_args(sample_args), dict(sample_kwargs or {})), strict=True
     ):
         g._insert(entry)
+    if chain:
+        group.set_stack(graphed)
     return graphed
 
 
