@@ -36,8 +36,7 @@ Other rules:
   do the grads of a signature not in use. The order rule this needs is in :mod:`packgraph.graphs.order`. A
   signature first met at call time has its forward captured at that call and its backward at its first backward,
   so captures follow the order the graphs run in. In a chained stack, a training call's new signature is captured
-  for every layer at the first layer's call, forwards then backwards (as :func:`capture_layers` does at first):
-  the capture then runs before the loss and head allocate, and its peak stays under the step's.
+  for every layer at the first layer's call, forwards then backwards, as :func:`capture_layers` does at first.
 * **Threads and streams.** A capture group is single-threaded: call its graphs from one thread. Replays run on the
   current stream; :func:`~packgraph.graphs.streams.on_graph_stream` makes that the capture stream for the eager
   code around them (what ``GraphedGPT`` and ``PackgraphTrainer`` do), so its matmuls share the graphs' cuBLAS
@@ -254,12 +253,13 @@ class GraphedCallable:
     def _stack_to_recapture(self) -> list[GraphedCallable] | None:
         """The chained stack this callable heads, to capture whole at a new signature of a training call.
 
-        Captured layer by layer instead, each backward at its first use, a new signature's captures would run
-        during the step: the last layer's backward capture (its temporaries, FlashAttention's accumulator sized by
-        the bucket's capacity) on top of the loss and head that eager's peak holds. Captured whole at the first
-        layer's call, forwards then backwards as the initial :func:`capture_layers` does, they run before the
-        loss exists. Only where every layer has seen the same signatures (a bucket is new to all of them), and
-        not for calls without grad, which capture forwards only.
+        A new bucket is new to every layer: captured at the first layer's call, forwards then backwards, its
+        capture follows the initial :func:`capture_layers` path instead of a second one, and it runs before the
+        head, the loss and their backward allocate. (The capture step's peak is still the last layer's backward
+        capture, with every saved activation live, as eager's peak is.) Like the initial capture, it feeds each
+        later layer the previous one's output and the first layer's other arguments; a layer called otherwise
+        gets its own graph at its call. Only where every layer has seen the same signatures, and not for calls
+        without grad, which capture forwards only.
         """
         stack = self.group.stack()
         if len(stack) < 2 or stack[0] is not self or self.forward_only or not torch.is_grad_enabled():
