@@ -17,7 +17,7 @@ def test_readme_table_from_results():
     assert cells["packgraph"] == "5.00 ms (4.00x)"  # 20 / 5
     assert cells["padded"] == "30.00 ms (0.67x)"
     assert cells["packgraph step/busy"] == f"{5.0 / 4.5:.2f}"
-    assert cells["packgraph memory / eager"] == "1.05 / -"  # peak allocated 1050 / 1000, no reserved figures
+    assert cells["packgraph memory / eager"] == "1.050 / -"  # peak allocated 1050 / 1000, no reserved figures
     assert len(table) == 5  # caption, blank, header, rule, one cell
 
 
