@@ -399,6 +399,16 @@ def _run_stack(layers, x, p):
     return x
 
 
+def _assert_stack_matches_eager(layers, out, x, q, seed):
+    """``out`` and the grads its ``pow(2).sum()`` left in ``x`` and the layers: eager's, on ``_x(seed)``."""
+    got = (out.detach().clone(), x.grad, [w.grad.clone() for w in layers.parameters()])
+    layers.zero_grad(set_to_none=True)
+    xr = _x(seed)
+    ref = _run_stack(layers, xr, q)
+    ref.pow(2).sum().backward()
+    _assert_same(got, (ref.detach(), xr.grad, [w.grad for w in layers.parameters()]))
+
+
 def test_capture_layers_chain_matches_eager_without_copies():
     layers = _stack()
     p = _params([10, 0, 20, 5])
@@ -458,16 +468,11 @@ def test_recaptured_stack_is_captured_whole_at_the_first_layer_and_chains_grads(
     out = _run_stack(graphed[1:], out, q)
     out.pow(2).sum().backward()
     assert len(order) == 6  # nothing captured after the first layer's call
-    got = (out.detach().clone(), x.grad, [w.grad.clone() for w in layers.parameters()])
     new = [g.cache.values()[-1] for g in graphed]
     for prev, nxt in zip(new, new[1:], strict=False):
         assert nxt.static_inputs[0].data_ptr() == prev.static_outputs[0].data_ptr()
         assert prev.static_grad_outputs[0] is nxt.static_grad_inputs[0]
-    layers.zero_grad(set_to_none=True)
-    xr = _x(3)
-    ref = _run_stack(layers, xr, q)
-    ref.pow(2).sum().backward()
-    _assert_same(got, (ref.detach(), xr.grad, [w.grad for w in layers.parameters()]))
+    _assert_stack_matches_eager(layers, out, x, q, 3)
     assert [g.captures for g in graphed] == [2, 2, 2]
     assert [g.recaptures for g in graphed] == [1, 1, 1]
 
@@ -491,12 +496,7 @@ def test_recapture_without_grad_captures_each_forward_at_its_call(monkeypatch):
     assert order[3:] == [("fwd", 1), ("fwd", 2)]
     out.pow(2).sum().backward()
     assert order[5:] == [("bwd", 2), ("bwd", 1), ("bwd", 0)]
-    got = (out.detach().clone(), x.grad, [w.grad.clone() for w in layers.parameters()])
-    layers.zero_grad(set_to_none=True)
-    xr = _x(4)
-    ref = _run_stack(layers, xr, q)
-    ref.pow(2).sum().backward()
-    _assert_same(got, (ref.detach(), xr.grad, [w.grad for w in layers.parameters()]))
+    _assert_stack_matches_eager(layers, out, x, q, 4)
 
 
 def test_recapture_falls_back_to_each_layer_when_the_layers_saw_different_signatures(monkeypatch):
@@ -513,12 +513,7 @@ def test_recapture_falls_back_to_each_layer_when_the_layers_saw_different_signat
     assert order == [("fwd", 0), ("fwd", 1), ("fwd", 2)]
     out.pow(2).sum().backward()
     assert order[3:] == [("bwd", 2), ("bwd", 1), ("bwd", 0)]
-    got = (out.detach().clone(), x.grad, [w.grad.clone() for w in layers.parameters()])
-    layers.zero_grad(set_to_none=True)
-    xr = _x(3)
-    ref = _run_stack(layers, xr, q)
-    ref.pow(2).sum().backward()
-    _assert_same(got, (ref.detach(), xr.grad, [w.grad for w in layers.parameters()]))
+    _assert_stack_matches_eager(layers, out, x, q, 3)
 
 
 def test_whole_stack_recapture_keeps_held_outputs_of_another_signature():
