@@ -519,7 +519,9 @@ def test_recapture_falls_back_to_each_layer_when_the_layers_saw_different_signat
 def test_whole_stack_recapture_keeps_held_outputs_of_another_signature():
     """Capturing a new signature for the whole stack replays its forwards (real values for the next layer's
     warm-up) into the layers' shared output buffers: outputs of another signature the caller still holds (all
-    hidden states, say) move off those buffers first and keep their values."""
+    hidden states, say) keep their values. (Here the backward already moved them off the buffers. A held output
+    still on them is moved by the same ``before_replay`` a forward replay makes; the stand-in cannot show that
+    one, since it writes the buffers at capture, where CUDA only records the copy.)"""
     layers = _stack()
     p = _params([10, 0, 20, 5])
     graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), p))

@@ -362,8 +362,8 @@ def varlen_attention(
     FlashAttention-2 varlen op (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10), which has a backward
     and is CUDA-graph capturable; it needs static ``max_seqlen_q`` / ``max_seqlen_kv`` (Python ints) that
     bound every real length. Offsets of more than 512 slots (ghost slots count; padded twins double them) run
-    their backward in chunks of 512 slots (:mod:`packgraph.ops.flash_chunks`): FA2 sizes a backward buffer by
-    the slot count. Everything else runs :func:`varlen_attention_reference`.
+    their backward in chunks of slots, 512 then fewer (:mod:`packgraph.ops.flash_chunks`): FA2 sizes a backward
+    buffer by the slot count. Everything else runs :func:`varlen_attention_reference`.
 
     Args:
         q: ``[Tq, Hq, D]``.

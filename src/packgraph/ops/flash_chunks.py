@@ -3,8 +3,8 @@
 FA2's varlen backward allocates an fp32 dq accumulator of ``total_q + 128 * slots`` rows x heads x head_dim, where
 ``slots = len(cu_seqlens) - 1`` counts ghost slots too: 516 MiB at T=2048, 8 heads of 64 and 2048 slots, where the
 same batch's 545 real documents need 148 MiB at their own count. Above :data:`SLOTS_PER_BACKWARD` slots,
-:func:`flash_attention_slot_chunks` runs the backward once per chunk of that many slots, so the accumulator stays
-``total_q + 128 * SLOTS_PER_BACKWARD`` rows whatever the capacity.
+:func:`flash_attention_slot_chunks` runs the backward once per chunk of at most that many slots, so the
+accumulator stays at most ``total_q + 128 * SLOTS_PER_BACKWARD`` rows whatever the capacity.
 
 Contract (what makes the split exact):
 
@@ -128,9 +128,9 @@ def flash_attention_slot_chunks(
     causal: bool,
     softmax_scale: float | None,
 ) -> Tensor:
-    """FA2 varlen attention (torch's ``aten._flash_attention_forward``, GQA native) whose backward runs in chunks
-    of :data:`SLOTS_PER_BACKWARD` slots. Same inputs and output as ``varlen_attn``; rows outside every slot are
-    left unwritten (the caller zeroes them)."""
+    """FA2 varlen attention (torch's ``aten._flash_attention_forward``, GQA native) whose backward runs on
+    :data:`SLOTS_PER_BACKWARD` slots, then on chunks of :func:`later_slots`. Same inputs and output as
+    ``varlen_attn``; rows outside every slot are left unwritten (the caller zeroes them)."""
     if q.shape[1] != k.shape[1]:
         # FA2 folds query heads into the sequence axis when max_seqlen_q == 1 under GQA, which assumes one row per
         # sequence; the packed stream has more (padding, tail). A larger static bound is harmless.
