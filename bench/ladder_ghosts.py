@@ -1,0 +1,111 @@
+"""What a bucket ladder costs in ghost slots and empty FlashAttention blocks, counted on the host (no GPU).
+
+    python3 bench/ladder_ghosts.py [--batches 200] [--out DIR]
+
+For the benchmark's streams (``packgraph.bench.data.batch_stream``: corpus, short and long mixes at T=2048 and
+8192, and the bucket tour, which each ladder builds for itself), under the default ladder and two finer ones:
+
+* ``buckets``: the buckets the stream visits, one capture each;
+* ``capture ghosts``: the most ghost slots (the bucket's capacity over the batch's documents) in a batch that
+  captures a bucket, and what they add to FA2's backward buffers at that capture (``128 x slots`` rows of the fp32
+  dq accumulator and softmax sums, at most 512 slots per call, for 8 heads of 64: the ``small`` model). A capture
+  step's allocated peak holds them on top of what eager's holds
+  (``bench/results/2026-12-01-h200-gpu-check-stack/NOTES.md``);
+* ``grid / eager``: FA2's forward grid over the stream, ``ceil(max_seqlen / 128) x slots`` blocks per batch (per
+  head), against eager's at the batch's true max_seqlen and document count. Empty blocks still cost GPU time.
+
+These are counts, not timings: what a ladder does to step time and memory is for the benchmark to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+from packgraph.bench.data import batch_stream
+from packgraph.buckets import BucketPolicy, default_buckets
+
+MiB = 2**20
+SLOTS_PER_CALL = 512  # packgraph.ops.flash_chunks.SLOTS_PER_BACKWARD
+HEADS, HEAD_DIM = 8, 64  # the small model
+
+
+def _x2(start: int, top: int) -> tuple[int, ...]:
+    rungs, r = [], start
+    while r < top:
+        rungs.append(r)
+        r *= 2
+    return (*rungs, top)
+
+
+def ladders(T: int) -> dict[str, BucketPolicy]:
+    default = default_buckets(T)
+    capacities = ((1,) if T <= 2048 else ()) + _x2(8, T)
+    return {
+        "default": default,
+        "capacity x2": BucketPolicy(default.max_seqlen_ladder, capacities),
+        "both x2": BucketPolicy(_x2(256, T), capacities),
+    }
+
+
+def _accum_bytes(slots: int) -> int:
+    return 128 * min(slots, SLOTS_PER_CALL) * HEADS * (math.ceil(HEAD_DIM / 32) * 32 + 1) * 4
+
+
+def count(stream: Sequence, policy: BucketPolicy) -> dict:
+    seen: dict[tuple[int, int], int] = {}
+    grid = grid_eager = 0
+    for b in stream:
+        p = b.packed_seq_params
+        n, longest = len(b.doc_lengths), p.max_seqlen_q
+        bucket = policy.bucket_for(longest, n)
+        seen.setdefault((bucket.max_seqlen, bucket.capacity), n)
+        grid += math.ceil(bucket.max_seqlen / 128) * bucket.capacity
+        grid_eager += math.ceil(max(longest, 1) / 128) * max(n, 1)
+    ghosts = max(c - n for (_, c), n in seen.items())
+    extra = max(_accum_bytes(c) - _accum_bytes(n) for (_, c), n in seen.items())
+    return dict(
+        buckets=len(seen), capture_ghosts=ghosts, capture_extra_mib=extra / MiB, grid_over_eager=grid / grid_eager
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, default=200)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    rows = []
+    for T in (2048, 8192):
+        for name, policy in ladders(T).items():
+            for mix in ("corpus", "short", "long", "buckets"):
+                stream = batch_stream(mix, T, args.batches, policy=policy)
+                rows.append(dict(T=T, ladder=name, mix=mix, **count(stream, policy)))
+    lines = [
+        "| T | ladder | mix | buckets | most ghost slots at a capture | their FA2 bwd buffers (MiB) | grid / eager |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['T']} | {r['ladder']} | {r['mix']} | {r['buckets']} | {r['capture_ghosts']} | "
+            f"{r['capture_extra_mib']:.1f} | {r['grid_over_eager']:.2f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = dict(date=datetime.now(UTC).isoformat(timespec="seconds"), batches=args.batches, host="CPU, no GPU")
+        meta["ladders"] = {
+            T: {k: [list(v.max_seqlen_ladder), list(v.capacity_ladder)] for k, v in ladders(T).items()}
+            for T in (2048, 8192)
+        }
+        (out / "ladder_ghosts.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        (out / "ladder_ghosts.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
