@@ -10,9 +10,13 @@ Released memory (``unowned``) is never more forgiving than the CUDA pool: the po
 any later warm-up or capture, and a graph captured after the release *may* write it at every replay; here they
 always do, with NaNs. A tensor the engine left on released memory while something could overwrite it then reads
 NaN instead of passing by luck.
+
+:class:`CaptureLikeRecorder` records as CUDA does in one more respect: its recording writes no tensor older than
+the capture, so a test can tell a write made by a replay from one made by the capture.
 """
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from packgraph.graphs.handouts import unowned_storage
 
@@ -74,3 +78,48 @@ class EagerReplay:
         with torch.no_grad():
             for old, new in zip(self.results, self.body(), strict=True):
                 old.copy_(new)
+
+
+class _NoWritesToOlderTensors(TorchDispatchMode):
+    """Skips every in-place write whose targets all existed before the mode began; counts the skips."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = set()  # storages of tensors made under the mode
+        self.skipped = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.is_mutable:
+            named = dict(zip([a.name for a in schema.arguments], args, strict=False)) | kwargs
+            writes = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+            written = [named[n] for n in writes if isinstance(named.get(n), torch.Tensor)]
+            if written and all(t.untyped_storage().data_ptr() not in self.made for t in written):
+                self.skipped += 1
+                return written[0]
+        out = func(*args, **kwargs)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.made.add(t.untyped_storage().data_ptr())
+        return out
+
+
+class CaptureLikeRecorder(EagerRecorder):
+    """An :class:`EagerRecorder` whose recording, like a CUDA capture, writes no tensor that existed before it: the
+    body runs (for shapes and the autograd graph), but its in-place writes into older tensors (the shared static
+    buffers, say) are skipped, and happen at every replay. Where the engine must move a held tensor off a buffer
+    before a replay writes it, only this recorder shows a replay that was not preceded by the move."""
+
+    def __init__(self):
+        super().__init__()
+        self.skipped_writes = 0
+
+    def record(self, body, pool=None):
+        self.reuse_released(pool)
+        self.clock += 1
+        mode = _NoWritesToOlderTensors()
+        with mode:
+            results = body()
+        self.skipped_writes += mode.skipped
+        return EagerReplay(self, body, results, pool), results

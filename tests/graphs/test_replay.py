@@ -20,13 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import packgraph.graphs as graphs
 from packgraph.buckets import default_buckets
 from packgraph.graphs import GraphSignatureError
-from packgraph.graphs.capture import capture_layers_with, capture_with
+from packgraph.graphs.capture import GraphedCallable, capture_layers_with, capture_with
 from packgraph.graphs.entry import Entry
 from packgraph.graphs.order import GraphOrderError
 from packgraph.models.gpt import Block, GPTConfig
 from packgraph.ops import varlen_attention
 from packgraph.params import PackedSeqParams, PackedSeqParamsError
-from tests.eager_recorder import EagerRecorder
+from tests.eager_recorder import CaptureLikeRecorder, EagerRecorder
 
 T, D = 48, 32
 
@@ -516,27 +516,36 @@ def test_recapture_falls_back_to_each_layer_when_the_layers_saw_different_signat
     _assert_stack_matches_eager(layers, out, x, q, 3)
 
 
-def test_whole_stack_recapture_keeps_held_outputs_of_another_signature():
-    """Capturing a new signature for the whole stack replays its forwards (real values for the next layer's
-    warm-up) into the layers' shared output buffers: outputs of another signature the caller still holds (all
-    hidden states, say) keep their values. (Here the backward already moved them off the buffers. A held output
-    still on them is moved by the same ``before_replay`` a forward replay makes; the stand-in cannot show that
-    one, since it writes the buffers at capture, where CUDA only records the copy.)"""
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-stack", "layer-by-layer"])
+def test_recapture_keeps_held_outputs_of_another_signature(monkeypatch, whole):
+    """Outputs the caller still holds (all hidden states of a no-grad pass, views of the layers' shared output
+    buffers) keep their values when a training call captures a new signature. A whole-stack capture replays its
+    forwards (real values for the next layer's warm-up) into those buffers, so it moves held outputs off them
+    first, as a forward replay does. The recorder writes nothing at capture, as CUDA, so only a replay that came
+    before the move could change them; and the step is still eager's."""
+    if not whole:
+        monkeypatch.setattr(GraphedCallable, "_stack_to_recapture", lambda self: None)
     layers = _stack()
     p = _params([10, 0, 20, 5])
-    graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), p))
-    x = _x(1)
-    hidden = [x]
-    for g in graphed:
-        hidden.append(g(hidden[-1], p))
-    hidden[-1].pow(2).sum().backward()
-    held = [h.detach().clone() for h in hidden[1:]]
-    q = _params([6, 6, 6], pad=2)
-    out = _run_stack(graphed, _x(2), q)  # a new signature, captured whole at the first layer
+    recorder = CaptureLikeRecorder()
+    graphed = capture_layers_with(recorder, list(layers), (_x(0), p))
+    with torch.no_grad():
+        hidden = [_x(1, requires_grad=False)]
+        for g in graphed:
+            hidden.append(g(hidden[-1], p))
+    assert all(
+        h.data_ptr() == e.static_outputs[0].data_ptr()
+        for h, e in zip(hidden[1:], [g.cache.values()[-1] for g in graphed], strict=True)
+    )
+    held = [h.clone() for h in hidden[1:]]
+    q = _params([6, 6, 6], pad=2)  # a new signature for a training call
+    x = _x(2)
+    out = _run_stack(graphed, x, q)
     out.pow(2).sum().backward()
-    assert [g.captures for g in graphed] == [2, 2, 2]
+    assert [g.recaptures for g in graphed] == [2, 2, 2] and recorder.skipped_writes > 0
     for h, want in zip(hidden[1:], held, strict=True):
-        torch.testing.assert_close(h.detach(), want, rtol=0, atol=0)
+        torch.testing.assert_close(h, want, rtol=0, atol=0)
+    _assert_stack_matches_eager(layers, out, x, q, 2)
 
 
 def test_backward_captured_at_first_use_ignores_refilled_static_buffers():
