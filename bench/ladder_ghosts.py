@@ -3,7 +3,8 @@
     python3 bench/ladder_ghosts.py [--batches 200] [--out DIR]
 
 For the benchmark's streams (``packgraph.bench.data.batch_stream``: corpus, short and long mixes at T=2048 and
-8192, and the bucket tour, which each ladder builds for itself), under the default ladder and two finer ones:
+8192, and the bucket tour, which each ladder builds for itself), under the ladders of ``packgraph bench
+--ladder`` (the default and two finer ones):
 
 * ``buckets``: the buckets the stream visits, one capture each;
 * ``capture ghosts``: the most ghost slots (the bucket's capacity over the batch's documents) in a batch that
@@ -27,29 +28,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from packgraph.bench.data import batch_stream
-from packgraph.buckets import BucketPolicy, default_buckets
+from packgraph.bench.presets import LADDERS, ladder_policy
+from packgraph.buckets import BucketPolicy
 
 MiB = 2**20
 SLOTS_PER_CALL = 512  # packgraph.ops.flash_chunks.SLOTS_PER_BACKWARD
 HEADS, HEAD_DIM = 8, 64  # the small model
 
 
-def _x2(start: int, top: int) -> tuple[int, ...]:
-    rungs, r = [], start
-    while r < top:
-        rungs.append(r)
-        r *= 2
-    return (*rungs, top)
-
-
 def ladders(T: int) -> dict[str, BucketPolicy]:
-    default = default_buckets(T)
-    capacities = ((1,) if T <= 2048 else ()) + _x2(8, T)
-    return {
-        "default": default,
-        "capacity x2": BucketPolicy(default.max_seqlen_ladder, capacities),
-        "both x2": BucketPolicy(_x2(256, T), capacities),
-    }
+    return {name: ladder_policy(name, T) for name in LADDERS}
 
 
 def _accum_bytes(slots: int) -> int:

@@ -36,3 +36,14 @@ def test_bucket_tour_visits_every_reachable_bucket():
     stream = batch_stream("buckets", T, 2 * len(reachable), max_corpus_docs=8)
     assert all(b.tokens.shape == (T,) for b in stream)
     assert {policy.bucket_of(b.packed_seq_params) for b in stream} == reachable
+
+
+def test_bucket_tour_follows_the_ladder_it_is_given():
+    from packgraph.bench.presets import ladder_policy
+
+    T = 1024
+    policy = ladder_policy("capacity-x2", T)
+    reachable = {policy.bucket_for(longest, n) for n in range(1, T + 1) for longest in range(1, T - n + 2)}
+    stream = batch_stream("buckets", T, 2 * len(reachable), policy=policy, max_corpus_docs=8)
+    assert {policy.bucket_of(b.packed_seq_params) for b in stream} == reachable
+    assert len(reachable) > len({default_buckets(T).bucket_of(b.packed_seq_params) for b in stream})

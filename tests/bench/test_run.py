@@ -137,3 +137,11 @@ def test_time_limit_skips_the_units_not_started_and_still_writes_the_results(tmp
     for r in records:
         assert r["status"] == "skipped" and "time limit (0 s)" in r["error"] and r["step_ms"] is None
     assert "time limit" in (tmp_path / "results.md").read_text()
+
+
+def test_a_run_under_another_ladder_records_it(tmp_path):
+    argv = ["--dry-run", "--out", str(tmp_path), "--methods", "eager", "--steps", "2", "--no-attention"]
+    assert main([*argv, "--ladder", "capacity-x2"]) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["runs"][0]["config"]["ladder"] == "capacity-x2"
+    assert [r["status"] for r in doc["records"]] == ["ok", "ok"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from packgraph.bench.data import MIXES
 from packgraph.bench.methods import ALL_METHODS
-from packgraph.bench.presets import PRESETS
+from packgraph.bench.presets import LADDERS, PRESETS
 from packgraph.models.gpt import PRESETS as MODEL_PRESETS
 
 __all__ = ["build_parser", "resolve"]
@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--attention-only", action="store_true", help="run only the attention micro-benchmark")
     att.add_argument("--no-attention", action="store_true", help="skip the attention micro-benchmark")
     p.add_argument("--attention-T", type=_csv(int), help="T values of the attention sweep")
+    p.add_argument(
+        "--ladder",
+        choices=LADDERS,
+        default="default",
+        help="the bucket ladder of the graphed and compiled methods (and of the bucket tour): default_buckets(T), "
+        "or x2 capacity rungs (capacity-x2), or x2 rungs on both axes (both-x2)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="override the device (default: cuda when available; cpu for --dry-run)")
     return p
@@ -147,7 +154,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         cfg["attention"]["T"] = args.attention_T
     if args.mixes:
         cfg["attention"]["mixes"] = args.mixes  # (cfg["mixes"] is derived from the cells above)
-    cfg["seed"], cfg["profile"] = args.seed, not args.no_profile
+    cfg["seed"], cfg["profile"], cfg["ladder"] = args.seed, not args.no_profile, args.ladder
     # --quick and --dry-run include the attention sweep; --full runs it only when asked, since a full matrix is
     # usually measured in parts and the sweep needs running once
     cfg["run_attention"] = args.attention or args.attention_only or (name != "full" and not args.no_attention)

@@ -12,8 +12,40 @@ from typing import Any
 
 from packgraph.bench.data import MIXES
 from packgraph.bench.methods import METHODS
+from packgraph.buckets import BucketPolicy, default_buckets
 
-__all__ = ["PRESETS"]
+__all__ = ["LADDERS", "PRESETS", "ladder_policy"]
+
+LADDERS: tuple[str, ...] = ("default", "capacity-x2", "both-x2")
+"""The bucket ladders ``packgraph bench --ladder`` can measure under (see :func:`ladder_policy`)."""
+
+
+def _x2(start: int, top: int) -> tuple[int, ...]:
+    rungs, rung = [], start
+    while rung < top:
+        rungs.append(rung)
+        rung *= 2
+    return (*rungs, top)
+
+
+def ladder_policy(name: str, T: int) -> BucketPolicy:
+    """The bucket policy of ``--ladder name`` at ``T`` tokens: ``default`` is :func:`~packgraph.default_buckets`;
+    ``capacity-x2`` keeps its max_seqlen rungs with capacity rungs 8, 16, 32, ..., T (and 1 first up to T=2048,
+    as the default); ``both-x2`` also takes max_seqlen rungs 256, 512, ..., T. The finer ladders put fewer ghost
+    slots and less max_seqlen slack in each batch, for more buckets (``bench/ladder_ghosts.py`` counts both).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if name not in LADDERS:
+        raise ValueError(f"unknown ladder {name!r}; choose from {', '.join(LADDERS)}")
+    default = default_buckets(T)
+    if name == "default":
+        return default
+    capacities = ((1,) if 1 in default.capacity_ladder else ()) + _x2(8, T)
+    seqlens = default.max_seqlen_ladder if name == "capacity-x2" else _x2(256, T)
+    return BucketPolicy(tuple(s for s in seqlens if s <= T), tuple(c for c in capacities if c <= T))
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": dict(

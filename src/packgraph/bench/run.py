@@ -46,8 +46,8 @@ from packgraph.bench.machine import default_out_dir, machine_info
 from packgraph.bench.measure import measure, release
 from packgraph.bench.methods import CUDA_ONLY_METHODS, make_method
 from packgraph.bench.options import build_parser, resolve
+from packgraph.bench.presets import ladder_policy
 from packgraph.bench.report import RECORD_FIELDS, derive, record_key, results_markdown, results_table
-from packgraph.buckets import default_buckets
 from packgraph.models.gpt import GPT, GPTConfig
 
 __all__ = ["main", "publish_report", "run_bench", "save"]
@@ -185,10 +185,12 @@ def _run_matrix(cfg: dict, doc: dict, out: Path, device: torch.device, run: int,
     n_stream = max(cfg["steps"], cfg["graph_batches"]) + 1
     streams: dict[tuple[int, str], list] = {}
     for model_name, T, mix, methods in cfg["cells"]:
-        policy = default_buckets(T)
+        policy = ladder_policy(cfg.get("ladder", "default"), T)
         if (T, mix) not in streams:
             progress.describe(f"building the {mix} stream for T={T}")
-            stream = batch_stream(mix, T, n_stream, seed=cfg["seed"], max_corpus_docs=cfg["max_corpus_docs"])
+            stream = batch_stream(
+                mix, T, n_stream, seed=cfg["seed"], policy=policy, max_corpus_docs=cfg["max_corpus_docs"]
+            )
             stats = stream_stats(mix, T, stream[: max(cfg["graph_batches"], cfg["steps"])], policy)
             _merge(doc.setdefault("streams", []), asdict(stats), lambda s: (s["T"], s["mix"]))
             streams[T, mix] = stream
