@@ -178,3 +178,11 @@ def test_stats_counts_batches_per_bucket():
     assert {(k.max_seqlen, k.capacity): v for k, v in counts.items() if v} == dict(naive)
     assert list(counts)[:4] == policy.buckets() and counts[Bucket(4, 4)] == 0
     assert policy.stats([b.packed_seq_params for b in batches]) == counts
+
+
+def test_geometric_ladder_ends_at_top():
+    from packgraph.buckets import geometric_ladder
+
+    assert geometric_ladder(256, 2048, 4) == (256, 1024, 2048)
+    assert geometric_ladder(8, 64, 2) == (8, 16, 32, 64)
+    assert geometric_ladder(256, 128, 2) == (128,)  # start past top: top alone

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from packgraph.params import DYNAMIC_FIELDS, PackedSeqParams
 
-__all__ = ["Bucket", "BucketPolicy", "default_buckets"]
+__all__ = ["Bucket", "BucketPolicy", "default_buckets", "geometric_ladder"]
 
 _REAL_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv")
 
@@ -188,10 +188,10 @@ def default_buckets(total_tokens: int) -> BucketPolicy:
     """
     if total_tokens < 1:
         raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
-    capacities = _x4_ladder(8, total_tokens)
+    capacities = geometric_ladder(8, total_tokens, 4)
     if 1 < total_tokens <= _LONE_DOCUMENT_RUNG_UP_TO:
         capacities = (1, *capacities)
-    return BucketPolicy(_x4_ladder(256, total_tokens), capacities)
+    return BucketPolicy(geometric_ladder(256, total_tokens, 4), capacities)
 
 
 # The largest T whose single-document batches get a capacity rung of their own. docs/buckets.md: at T=2048 a lone
@@ -200,12 +200,14 @@ def default_buckets(total_tokens: int) -> BucketPolicy:
 _LONE_DOCUMENT_RUNG_UP_TO = 2048
 
 
-def _x4_ladder(start: int, top: int) -> tuple[int, ...]:
+def geometric_ladder(start: int, top: int, factor: int) -> tuple[int, ...]:
+    """``start, start * factor, ...`` below ``top``, then ``top`` itself: ``(256, 1024, 2048)`` for
+    ``(256, 2048, 4)``; ``(top,)`` when ``start >= top``."""
     rungs = []
     rung = start
     while rung < top:
         rungs.append(rung)
-        rung *= 4
+        rung *= factor
     return (*rungs, top)
 
 

@@ -49,7 +49,7 @@ def test_ladder_flag_picks_the_bucket_policy_of_the_run():
     assert both.max_seqlen_ladder == (256, 512, 1024, 2048, 4096, 8192) and both.capacity_ladder[0] == 8
     # every ladder accepts what the default does: at most T documents of at most T tokens
     for name in ("capacity-x2", "both-x2"):
-        for T in (128, 2048, 8192):
+        for T in (1, 7, 128, 2048, 8192):
             policy = ladder_policy(name, T)
             assert policy.max_seqlen == T and policy.max_capacity == T
     with pytest.raises(ValueError, match="unknown ladder"):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from packgraph.bench.data import batch_stream
-from packgraph.buckets import BucketPolicy, default_buckets
+from packgraph.buckets import BucketPolicy, default_buckets, geometric_ladder
 from packgraph.ops import varlen_attention
 from packgraph.params import PackedSeqParams
 
@@ -184,20 +184,13 @@ def candidate_ladders(T: int) -> list[tuple[str, BucketPolicy]]:
     """Bucket policies to replay over the measurements: max_seqlen ladders x capacity ladders, plus the
     current :func:`~packgraph.buckets.default_buckets`."""
 
-    def geometric(start: int, factor: int) -> tuple[int, ...]:
-        rungs, r = [], start
-        while r < T:
-            rungs.append(r)
-            r *= factor
-        return (*rungs, T)
-
     seqlen_ladders = {
         "T": (T,),
-        "x4 from 256": geometric(256, 4),
-        "x2 from 1024": geometric(1024, 2),
-        "x2 from 256": geometric(256, 2),
-        "x2 from 128": geometric(128, 2),
-        "x2 from 64": geometric(64, 2),
+        "x4 from 256": geometric_ladder(256, T, 4),
+        "x2 from 1024": geometric_ladder(1024, T, 2),
+        "x2 from 256": geometric_ladder(256, T, 2),
+        "x2 from 128": geometric_ladder(128, T, 2),
+        "x2 from 64": geometric_ladder(64, T, 2),
     }
     capacity_ladders = {
         "x2 from 8": CAPACITY_RUNGS,

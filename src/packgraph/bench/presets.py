@@ -12,20 +12,12 @@ from typing import Any
 
 from packgraph.bench.data import MIXES
 from packgraph.bench.methods import METHODS
-from packgraph.buckets import BucketPolicy, default_buckets
+from packgraph.buckets import BucketPolicy, default_buckets, geometric_ladder
 
 __all__ = ["LADDERS", "PRESETS", "ladder_policy"]
 
 LADDERS: tuple[str, ...] = ("default", "capacity-x2", "both-x2")
 """The bucket ladders ``packgraph bench --ladder`` can measure under (see :func:`ladder_policy`)."""
-
-
-def _x2(start: int, top: int) -> tuple[int, ...]:
-    rungs, rung = [], start
-    while rung < top:
-        rungs.append(rung)
-        rung *= 2
-    return (*rungs, top)
 
 
 def ladder_policy(name: str, T: int) -> BucketPolicy:
@@ -42,9 +34,10 @@ def ladder_policy(name: str, T: int) -> BucketPolicy:
     default = default_buckets(T)
     if name == "default":
         return default
-    capacities = ((1,) if 1 in default.capacity_ladder else ()) + _x2(8, T)
-    seqlens = default.max_seqlen_ladder if name == "capacity-x2" else _x2(256, T)
-    return BucketPolicy(tuple(s for s in seqlens if s <= T), tuple(c for c in capacities if c <= T))
+    lone = (1,) if 1 in default.capacity_ladder else ()  # the default's rung of 1, where it has one
+    capacities = tuple(sorted({*lone, *geometric_ladder(8, T, 2)}))
+    seqlens = default.max_seqlen_ladder if name == "capacity-x2" else geometric_ladder(256, T, 2)
+    return BucketPolicy(seqlens, capacities)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
