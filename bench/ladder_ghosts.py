@@ -30,9 +30,9 @@ from pathlib import Path
 from packgraph.bench.data import batch_stream
 from packgraph.bench.presets import LADDERS, ladder_policy
 from packgraph.buckets import BucketPolicy
+from packgraph.ops.flash_chunks import SLOTS_PER_BACKWARD, backward_bytes_per_slot
 
 MiB = 2**20
-SLOTS_PER_CALL = 512  # packgraph.ops.flash_chunks.SLOTS_PER_BACKWARD
 HEADS, HEAD_DIM = 8, 64  # the small model
 
 
@@ -41,7 +41,7 @@ def ladders(T: int) -> dict[str, BucketPolicy]:
 
 
 def _accum_bytes(slots: int) -> int:
-    return 128 * min(slots, SLOTS_PER_CALL) * HEADS * (math.ceil(HEAD_DIM / 32) * 32 + 1) * 4
+    return min(slots, SLOTS_PER_BACKWARD) * backward_bytes_per_slot(HEADS, HEAD_DIM)
 
 
 def count(stream: Sequence, policy: BucketPolicy) -> dict:

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from packgraph.ops.flash_chunks import SLOTS_PER_BACKWARD, flash_attention_slot_chunks
+from packgraph.ops.flash_chunks import SLOTS_PER_BACKWARD, flash_attention_slot_chunks, gqa_max_seqlen_q
 from packgraph.params import PackedSeqParams, PackedSeqParamsError, slot_of_rows
 
 __all__ = ["varlen_attention", "varlen_attention_reference", "row_layout", "RowLayout", "flash_offsets"]
@@ -229,9 +229,7 @@ class _VarlenAPI:
         if group > 1:
             if self.has_enable_gqa:
                 kwargs["enable_gqa"] = True
-                # FA2 swaps heads into the sequence axis when max_seqlen_q == 1 under GQA, which assumes one
-                # row per sequence; our stream has more (padding, tail). A larger static bound is harmless.
-                max_q = max(max_q, 2)
+                max_q = gqa_max_seqlen_q(max_q)
             else:
                 k, v = _repeat_kv(k, group), _repeat_kv(v, group)
         if softmax_scale is not None:

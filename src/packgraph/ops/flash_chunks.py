@@ -31,7 +31,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["SLOTS_PER_BACKWARD", "flash_attention_slot_chunks", "backward_in_slot_chunks", "later_slots"]
+__all__ = [
+    "SLOTS_PER_BACKWARD",
+    "flash_attention_slot_chunks",
+    "backward_in_slot_chunks",
+    "later_slots",
+    "backward_bytes_per_slot",
+    "gqa_max_seqlen_q",
+]
 
 # Measured on an H200 (bench/fa_ghosts.py, T=2048, 8 heads of 64): at 2048 slots chunks of 512 hold the backward to
 # 158 MiB (one call: 530 MiB) for +28% of its time on 545 documents; chunks of 256 hold 93 MiB for +56%.
@@ -79,13 +86,24 @@ def backward_in_slot_chunks(
     return dq, dk, dv
 
 
+def backward_bytes_per_slot(heads: int, head_dim: int) -> int:
+    """What one slot (ghosts too) adds to FA2's varlen backward buffers: its fp32 dq accumulator and softmax sums
+    have ``128 * slots`` rows more than the query rows, x query heads x (head_dim rounded up to 32, plus one)."""
+    return 128 * heads * (math.ceil(head_dim / 32) * 32 + 1) * 4
+
+
+def gqa_max_seqlen_q(max_q: int) -> int:
+    """The static max_seqlen_q to give FA2 under GQA. FA2 folds query heads into the sequence axis when
+    max_seqlen_q == 1, which assumes one row per sequence; the packed stream has more (padding, tail). A larger
+    static bound is harmless."""
+    return max(max_q, 2)
+
+
 def later_slots(q: Tensor, k: Tensor, v: Tensor, slots_per_call: int) -> int:
     """Slots per call after the first, for which the call's FA2 backward buffers plus the held results (grads the
-    size of q, k and v) are no larger than the first call's buffers: FA2 sizes its fp32 dq accumulator and softmax
-    sums by ``128 * slots`` rows x query heads x (head_dim rounded up to 32, plus one)."""
+    size of q, k and v) are no larger than the first call's buffers (:func:`backward_bytes_per_slot`)."""
     held = sum(t.numel() * t.element_size() for t in (q, k, v))
-    per_slot = 128 * q.shape[1] * (math.ceil(q.shape[2] / 32) * 32 + 1) * 4
-    return max(1, slots_per_call - math.ceil(held / per_slot))
+    return max(1, slots_per_call - math.ceil(held / backward_bytes_per_slot(q.shape[1], q.shape[2])))
 
 
 class _FlashSlotChunks(torch.autograd.Function):
@@ -132,7 +150,5 @@ def flash_attention_slot_chunks(
     :data:`SLOTS_PER_BACKWARD` slots, then on chunks of :func:`later_slots`. Same inputs and output as
     ``varlen_attn``; rows outside every slot are left unwritten (the caller zeroes them)."""
     if q.shape[1] != k.shape[1]:
-        # FA2 folds query heads into the sequence axis when max_seqlen_q == 1 under GQA, which assumes one row per
-        # sequence; the packed stream has more (padding, tail). A larger static bound is harmless.
-        max_q = max(max_q, 2)
+        max_q = gqa_max_seqlen_q(max_q)
     return _FlashSlotChunks.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale)
