@@ -1,6 +1,6 @@
 """What a bucket ladder costs in ghost slots and empty FlashAttention blocks, counted on the host (no GPU).
 
-    python3 bench/ladder_ghosts.py [--batches 200] [--out DIR]
+    python3 bench/ladder_ghosts.py [--batches 201] [--out DIR]
 
 For the benchmark's streams (``packgraph.bench.data.batch_stream``: corpus, short and long mixes at T=2048 and
 8192, and the bucket tour, which each ladder builds for itself), under the ladders of ``packgraph bench
@@ -14,6 +14,10 @@ For the benchmark's streams (``packgraph.bench.data.batch_stream``: corpus, shor
   (``bench/results/2026-12-01-h200-gpu-check-stack/NOTES.md``);
 * ``grid / eager``: FA2's forward grid over the stream, ``ceil(max_seqlen / 128) x slots`` blocks per batch (per
   head), against eager's at the batch's true max_seqlen and document count. Empty blocks still cost GPU time.
+
+The default of 201 batches is the length of the streams ``packgraph bench --standard`` builds (``max(steps,
+graph_batches) + 1``): ``batch_stream`` draws a different stream for each length, so counts over another length
+describe other batches.
 
 These are counts, not timings: what a ladder does to step time and memory is for the benchmark to measure.
 """
@@ -63,7 +67,7 @@ def count(stream: Sequence, policy: BucketPolicy) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=int, default=200)
+    ap.add_argument("--batches", type=int, default=201)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     rows = []
