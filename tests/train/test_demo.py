@@ -105,6 +105,12 @@ def test_compare_losses():
     assert not out["bitwise_equal"] and out["first_diff_step"] == 2 and out["max_diff_step"] == 3
     assert out["max_abs_diff"] == pytest.approx(0.2)
     assert not compare_losses([3.0, 2.0], [3.0])["bitwise_equal"]  # a shorter curve is not an equal one
+    # A diverged run (a NaN loss) is the largest difference wherever it comes, never a small one: Python's max()
+    # would keep the 0.2 that precedes it.
+    nan = float("nan")
+    out = compare_losses([3.0, 2.5, 2.0, 1.5], [3.0, 2.7, nan, 1.5])
+    assert math.isnan(out["max_abs_diff"]) and out["max_diff_step"] == 3 and out["first_diff_step"] == 2
+    assert not out["bitwise_equal"]
 
 
 def test_a_difference_is_printed_with_its_cause():

@@ -1,8 +1,10 @@
 """Log tools: EMA, convergence report, throughput and reading train.jsonl."""
 
+import math
+
 import pytest
 
-from packgraph.train.logs import convergence_report, ema, read_log, throughput
+from packgraph.train.logs import convergence_report, ema, largest, read_log, throughput
 
 
 def test_ema_and_convergence_report(tmp_path):
@@ -35,3 +37,12 @@ def test_ema_and_convergence_report(tmp_path):
         read_log(bad)
     with pytest.raises(FileNotFoundError):
         read_log(tmp_path / "missing.jsonl")
+
+
+def test_largest_takes_the_first_nan_and_otherwise_the_first_maximum():
+    nan = float("nan")
+    assert largest([]) == (0.0, None)
+    assert largest([0.1, 0.3, 0.3, 0.2]) == (0.3, 1)
+    value, where = largest([0.1, 0.2, nan, 5.0, nan])
+    assert math.isnan(value) and where == 2
+    assert max([0.2, nan]) == 0.2  # why: the builtin keeps whatever precedes a NaN

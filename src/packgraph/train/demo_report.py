@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from packgraph.train.config import TrainConfig
-from packgraph.train.logs import pyplot, text_table
+from packgraph.train.logs import largest, pyplot, text_table
 from packgraph.train.trainer import TrainResult
 
 __all__ = ["DemoRun", "compare_losses", "step_timing", "method_figures", "print_report", "plot_demo"]
@@ -42,17 +42,17 @@ def compare_losses(reference: Sequence[float], other: Sequence[float]) -> dict[s
     """How ``other``'s loss curve departs from ``reference``'s, over the steps both have (1-based steps).
 
     ``bitwise_equal``: every loss is the same float. ``max_abs_diff`` and ``max_diff_step``: the largest
-    ``|other - reference|`` and where it is; ``first_diff_step``: the first step that differs (both ``None`` when
-    equal).
+    ``|other - reference|`` and where it is (a NaN, from a diverged run, counts as the largest);
+    ``first_diff_step``: the first step that differs (both ``None`` when equal).
     """
     pairs = list(zip(reference, other, strict=False))
     diffs = [abs(b - a) for a, b in pairs]
     unequal = [i for i, (a, b) in enumerate(pairs) if a != b]
-    worst = max(range(len(diffs)), key=diffs.__getitem__, default=None)
+    biggest, worst = largest(diffs)
     return {
         "steps": len(pairs),
         "bitwise_equal": not unequal and len(reference) == len(other),
-        "max_abs_diff": max(diffs, default=0.0),
+        "max_abs_diff": biggest,
         "max_diff_step": worst + 1 if unequal and worst is not None else None,
         "first_diff_step": unequal[0] + 1 if unequal else None,
     }

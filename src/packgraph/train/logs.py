@@ -8,12 +8,14 @@ Everything here is pure Python over those rows (no torch); plotting needs matplo
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "largest",
     "read_log",
     "truncate_log",
     "ema",
@@ -45,6 +47,18 @@ def throughput(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
         if i >= skip and (i == 0 or r.get("captures", 0) == rows[i - 1].get("captures", 0))
     ]
     return rate(steady or rows), rate(rows)
+
+
+def largest(values: Sequence[float]) -> tuple[float, int | None]:
+    """``(the largest value, its index)``; a NaN counts as the largest (the first one), so a diverged run never
+    reads as a small difference. ``(0.0, None)`` when empty. Python's ``max`` keeps whatever precedes a NaN."""
+    for i, v in enumerate(values):
+        if math.isnan(v):
+            return v, i
+    if not values:
+        return 0.0, None
+    i = max(range(len(values)), key=values.__getitem__)
+    return values[i], i
 
 
 def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -102,7 +116,9 @@ def convergence_report(logs: dict[str, Sequence[dict[str, Any]]], beta: float = 
         raise ValueError("the runs share no step")
     smooth = {n: ema([by_step[n][s] for s in common], beta) for n in names}
     ref = names[0]
-    max_rel = {n: max(abs(a - b) / abs(b) for a, b in zip(smooth[n], smooth[ref], strict=True)) for n in names[1:]}
+    max_rel = {
+        n: largest([abs(a - b) / abs(b) for a, b in zip(smooth[n], smooth[ref], strict=True)])[0] for n in names[1:]
+    }
     rates = {n: throughput(rows) for n, rows in logs.items()}
     return {
         "reference": ref,

@@ -27,7 +27,7 @@ from packgraph.train.checkpoint import (
     write_checkpoint,
 )
 from packgraph.train.config import TrainConfig, default_out_dir, resolve_device
-from packgraph.train.logs import plot_losses, throughput, truncate_log
+from packgraph.train.logs import largest, plot_losses, throughput, truncate_log
 from packgraph.train.parallel import DataParallelGroup
 from packgraph.train.step import accumulate_gradients, deterministic_kernels, lr_factor, make_optimizer
 
@@ -464,7 +464,7 @@ def compare_eager_graphed(
         runs[name] = train(dataclasses.replace(cfg, graphs=True, scope=scope, out_dir=str(base / name)), echo=echo)
     eager = runs["eager"]
     diffs = {
-        n: max(abs(a - b) for a, b in zip(eager.losses, r.losses, strict=False))
+        n: largest([abs(a - b) for a, b in zip(eager.losses, r.losses, strict=False)])[0]
         for n, r in runs.items()
         if n != "eager"
     }
