@@ -126,6 +126,33 @@ def test_score_function_eager_matches_token_logprobs():
         score(model, batches, graphed=True)
 
 
+def test_score_reports_a_nan_batch_as_the_largest_difference(monkeypatch):
+    """A graphed pass whose second batch comes out NaN must not read as a small difference (Python's max() keeps
+    whatever precedes a NaN). The graphs run on the CPU stand-in; the NaN is injected into their second output."""
+    from packgraph.graphs import use_recorder
+    from packgraph.models.gpt import GraphedGPT
+    from tests.eager_recorder import EagerRecorder
+
+    cfg = TrainConfig(T=128, max_docs=2)
+    data = DataStream(corpus_documents(cfg), T=128, policy=cfg.bucket_policy())
+    batches = [next(data), next(data)]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    calls = []
+    real = GraphedGPT.token_logprobs
+
+    def second_is_nan(self, batch, *args, **kwargs):
+        out = real(self, batch, *args, **kwargs)
+        calls.append(batch)
+        return torch.full_like(out, float("nan")) if len(calls) % 2 == 0 else out
+
+    monkeypatch.setattr(GraphedGPT, "token_logprobs", second_is_nan)
+    with use_recorder(EagerRecorder()):
+        result = score(model, batches, graphed=True)
+    assert len(calls) == 4  # a capture pass, then the timed pass
+    assert math.isnan(result.max_abs_diff)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
