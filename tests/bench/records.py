@@ -51,13 +51,18 @@ RECORD_TYPES = {
 }
 
 
-def load_targets() -> ModuleType:
-    """The repository's ``bench/targets.py``, by path (it is not part of the package, nor importable)."""
-    path = Path(__file__).resolve().parents[2] / "bench" / "targets.py"
-    spec = importlib.util.spec_from_file_location("bench_targets", path)
+def load_bench_script(name: str) -> ModuleType:
+    """The repository's ``bench/<name>.py``, by path (``bench/`` is not part of the package, nor importable)."""
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_targets() -> ModuleType:
+    """The repository's ``bench/targets.py``."""
+    return load_bench_script("targets")
 
 
 def record(method, step_ms, busy=None, first=None, graphs=None, peak=None, tokens=1000.0, mix="corpus", requested=None):

@@ -1,21 +1,14 @@
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-from tests.bench.records import record, results_doc
+from tests.bench.records import load_bench_script, load_targets, record, results_doc
+
+ladder_compare = load_bench_script("ladder_compare")
 
 
-def _load():
-    path = Path(__file__).resolve().parents[2] / "bench" / "ladder_compare.py"
-    spec = importlib.util.spec_from_file_location("ladder_compare", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ladder_compare = _load()
+def test_the_graphed_methods_are_the_targets_own():
+    assert ladder_compare.GRAPHED == load_targets().GRAPHED
 
 
 def _run(ladder, eager_busy, pg_busy, eager_peak, pg_peak):
@@ -63,7 +56,7 @@ def test_main_reads_folders_and_files(tmp_path, capsys, monkeypatch):
     for name, doc in runs.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(doc))
-    monkeypatch.setattr("sys.argv", ["ladder_compare", str(tmp_path / "a"), str(tmp_path / "b" / "results.json")])
+    monkeypatch.setattr("sys.argv", ["ladder_compare.py", str(tmp_path / "a"), str(tmp_path / "b" / "results.json")])
     assert ladder_compare.main() == 0
     out = capsys.readouterr().out
     assert "| default |" in out and "| both-x2 |" in out
