@@ -7,7 +7,6 @@ and reports the largest difference between the two: graphs must not change the n
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from torch import Tensor
 
 from packgraph.models.gpt import GPT
 from packgraph.packing import PackedBatch
+from packgraph.train.logs import largest
 
 __all__ = ["ScoreResult", "score"]
 
@@ -99,9 +99,7 @@ def score(
             wrapper = model.graphed(scope=scope, forward_only=True)
             _timed_pass(wrapper.token_logprobs, batches, device)  # captures one graph set per bucket
             logprobs, graphed_ms = _timed_pass(wrapper.token_logprobs, batches, device)
-            diffs = [float((g - e).abs().max()) for g, e in zip(logprobs, eager, strict=True)]
-            # a NaN batch must show: Python's max() keeps whatever precedes a NaN
-            diff = next((d for d in diffs if math.isnan(d)), max(diffs, default=0.0))
+            diff = largest([float((g - e).abs().max()) for g, e in zip(logprobs, eager, strict=True)])[0]
     targets = sum(int((b.labels != -100).sum()) for b in batches)
     total = sum(float(lp.double().sum()) for lp in logprobs)
     return ScoreResult(
