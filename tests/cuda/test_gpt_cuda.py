@@ -203,7 +203,9 @@ def test_training_steps_sync_only_when_logged(tmp_path, graphs, report):
                     trainer.step()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+            # torch's once-per-process notice that the mode is a prototype also says "synchronizing": counted, it
+            # failed this test whenever it was the first in its process to enable the mode.
+            syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
             per_step.append(len(syncs))
             messages += syncs
         result = trainer.finish()
