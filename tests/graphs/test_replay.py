@@ -477,6 +477,54 @@ def test_recaptured_stack_is_captured_whole_at_the_first_layer_and_chains_grads(
     assert [g.recaptures for g in graphed] == [1, 1, 1]
 
 
+def test_capture_ahead_captures_a_new_signature_on_the_input_buffer_before_the_input_exists(monkeypatch):
+    """``capture_ahead`` captures the whole stack for the coming call's signature with the first layer's input
+    buffer standing in for the input (its values are the last call's, which a capture only warms up on). The call
+    itself then only replays, and outputs and grads are eager's on the real input."""
+    layers = _stack()
+    graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), _params([10, 0, 20, 5])))
+    buf = graphed[0].buffers.primary(("input", 0))
+    assert buf is not None and buf.shape == (T, D)
+    order = _log_captures(monkeypatch, graphed)
+    q = _params([6, 6, 6], pad=2)  # a new signature
+    assert graphed[0].capture_ahead((T, D), torch.float64, True, q)
+    assert order == [("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 2), ("bwd", 1), ("bwd", 0)]
+    assert graphed[0].cache.values()[-1].static_inputs[0] is buf  # the stand-in was the buffer itself
+    assert not graphed[0].capture_ahead((T, D), torch.float64, True, q)  # known now: nothing to do
+    layers.zero_grad(set_to_none=True)
+    x = _x(3)
+    out = _run_stack(graphed, x, q)
+    out.pow(2).sum().backward()
+    assert len(order) == 6  # the call replayed what capture_ahead captured
+    _assert_stack_matches_eager(layers, out, x, q, 3)
+    assert [g.captures for g in graphed] == [2, 2, 2]
+
+
+def test_capture_ahead_leaves_to_the_call_what_it_cannot_capture_as_the_call_would(monkeypatch):
+    """No capture where the call would not capture the whole stack, or where the input buffer's layout is not the
+    coming input's (another dtype, shape or grad flag would be another signature): the call captures as before."""
+    layers = _stack()
+    graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), _params([10, 0, 20, 5])))
+    order = _log_captures(monkeypatch, graphed)
+    q = _params([6, 6, 6], pad=2)
+    assert not graphed[0].capture_ahead((T, D), torch.float32, True, q)
+    assert not graphed[0].capture_ahead((T + 1, D), torch.float64, True, q)
+    assert not graphed[0].capture_ahead((T, D), torch.float64, False, q)
+    with torch.no_grad():
+        assert not graphed[0].capture_ahead((T, D), torch.float64, True, q)  # forwards only: each at its call
+    assert not graphed[1].capture_ahead((T, D), torch.float64, True, q)  # not the stack's first layer
+    assert order == []
+    bad = _params([10, 20]).replace(max_seqlen_q=5, host_offsets=_params([10, 20]).host_offsets)
+    with pytest.raises(PackedSeqParamsError):  # invalid params raise here, as at the call
+        graphed[0].capture_ahead((T, D), torch.float64, True, bad)
+    layers.zero_grad(set_to_none=True)
+    x = _x(3)
+    out = _run_stack(graphed, x, q)
+    out.pow(2).sum().backward()
+    assert order[:3] == [("fwd", 0), ("fwd", 1), ("fwd", 2)]  # the call captured, whole, at the first layer
+    _assert_stack_matches_eager(layers, out, x, q, 3)
+
+
 def test_recapture_without_grad_captures_each_forward_at_its_call(monkeypatch):
     """Under no_grad a new signature needs no backward: each layer's forward is captured at its call. A later
     training call reuses the first layer's graph (its input's signature is the same) and captures its backward at

@@ -251,6 +251,41 @@ def test_graphed_wrapper_wiring_equals_eager_on_a_cpu_stand_in(scope):
         torch.testing.assert_close(got[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
 
 
+def test_graphed_layers_capture_a_new_bucket_before_the_embedding(monkeypatch):
+    """Scope ``"layer"``: a training call with a new bucket captures the block stack before it embeds the tokens
+    (``GraphedCallable.capture_ahead``), so the capture never holds the embedding beside the stack's input buffer.
+    Without grad the blocks capture at their calls, after the embedding. Losses and grads stay eager's."""
+    model = make_model()
+    first, second, third, _ = graph_batches()
+    captures_at_embedding = []
+    embed = model.embed_tokens
+
+    with use_recorder(EagerRecorder()):
+        graphed = model.graphed(scope="layer")
+
+        def recording(tokens):
+            captures_at_embedding.append(graphed.captures)
+            return embed(tokens)
+
+        monkeypatch.setattr(model, "embed_tokens", recording)
+        graphed(first)[1].backward()  # the initial capture (at the first call, from sample inputs)
+        graphed(second)[1].backward()  # same bucket: replays
+        model.zero_grad(set_to_none=True)
+        _, loss = graphed(third)  # a new bucket
+        loss.backward()
+        assert captures_at_embedding == [1, 1, 2]
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            graphed(graph_batches()[3])  # another new bucket, forward only: captured at the blocks' calls
+        assert captures_at_embedding[-1] == 2 and graphed.captures == 3
+    model.zero_grad(set_to_none=True)
+    _, want = model(third)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
+
+
 @pytest.mark.parametrize("scope", ["layer", "attn", "model"])
 def test_graphed_forward_only_logprobs_equal_eager_on_a_cpu_stand_in(scope):
     model = make_model()

@@ -67,6 +67,11 @@ class SharedBuffers:
             self._buffers[role] = fresh
         return fresh
 
+    def primary(self, role: Hashable) -> Tensor | None:
+        """The primary buffer of ``role`` when later signatures would share it (none in flight), else None."""
+        buf = self._buffers.get(role)
+        return buf if buf is not None and self._sharing() else None
+
     def write(self, role: Hashable, results: Sequence[Tensor]) -> list[Tensor]:
         """Inside a capture body: ``results`` copied into the primary's tensors for ``role`` when they fit (the
         copies are recorded in the graph), else ``results`` themselves, kept as the primary's if the role has none."""

@@ -250,6 +250,36 @@ class GraphedCallable:
         self._insert(entry)
         return entry
 
+    def capture_ahead(
+        self, shape: Sequence[int], dtype: torch.dtype, requires_grad: bool, *args: Any, **kwargs: Any
+    ) -> bool:
+        """Capture the chained stack this callable heads for the coming call ``self(x, *args, **kwargs)`` now,
+        before the caller computes ``x`` (of ``shape``, ``dtype`` and ``requires_grad``, on this callable's
+        device). A new bucket is then captured while only the stack's own input buffer holds a tensor like ``x``,
+        not that buffer and ``x`` beside it, at the capture's peak. The buffer (the last call's input) stands in
+        for ``x``: a capture runs the layers on its values at warm-up only, and graphs do not depend on them.
+
+        Returns whether it captured. It does nothing where the call would not capture the whole stack (a known
+        signature, a call without grad, layers that have seen different signatures: see
+        :meth:`_stack_to_recapture`) or where no input buffer of that layout is free; the call then captures as
+        it would have. Raises what the call would (invalid PackedSeqParams, ``on_mismatch="error"``).
+        """
+        sample = self.buffers.primary(("input", 0))
+        if sample is None or tuple(sample.shape) != tuple(shape) or sample.dtype != dtype:
+            return False
+        if sample.requires_grad != requires_grad:
+            return False
+        args = (sample, *args)
+        key, _ = self.signature(args, kwargs)
+        if key in self.cache:
+            return False
+        stack = self._stack_to_recapture()
+        if stack is None:
+            return False
+        self.cache.check_new(key)
+        self._recapture_stack(stack, args, kwargs)
+        return True
+
     def _stack_to_recapture(self) -> list[GraphedCallable] | None:
         """The chained stack this callable heads, to capture whole at a new signature of a training call.
 

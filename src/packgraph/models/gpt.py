@@ -464,8 +464,15 @@ class GraphedGPT(nn.Module):
         return self._on_graph_stream(self._hidden, tokens, packed_seq_params)
 
     def _hidden(self, tokens: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
+        graphed = self._graphs(tokens.shape[0], packed_seq_params)
+        if self.scope == "layer":
+            # A new bucket is captured before the embedding exists, so the capture's peak holds one tensor of
+            # the stack's input layout (the first block's input buffer), not that and the embedding beside it.
+            weight = self.model.embed.weight
+            grad = torch.is_grad_enabled() and weight.requires_grad
+            shape = (tokens.shape[0], self.model.cfg.d_model)
+            graphed[0].capture_ahead(shape, weight.dtype, grad, packed_seq_params)
         x = self.model.embed_tokens(tokens)
-        graphed = self._graphs(x.shape[0], packed_seq_params)
         for i, block in enumerate(self.model.blocks):
             if self.scope == "layer":
                 x = graphed[i](x, packed_seq_params)
