@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from packgraph.buckets import default_buckets
+from packgraph.graphs.recorder import CudaRecorder
 from packgraph.models.gpt import GPT, SCOPES, GPTConfig
 from packgraph.packing import PackedBatch, fixed_shape_sample
 from packgraph.score import score
@@ -23,6 +24,7 @@ from packgraph.train import (
     accumulate_gradients,
     compare_eager_graphed,
     corpus_documents,
+    train,
 )
 
 T = 1024
@@ -180,6 +182,54 @@ def test_deterministic_runs_are_bitwise_equal_eager_and_graphed(tmp_path, report
         report(f"deterministic 25 steps tiny: max |loss diff| {name} vs eager", out["max_abs_loss_diff"][name])
         assert run.num_graph_sets >= 2, name  # several buckets met, so captures happened mid-run
         assert run.losses == eager, name
+
+
+def _fill_and_free(nbytes: int, device: torch.device) -> None:
+    """Leave a cached free block of ``nbytes`` holding NaN on the current stream (and pool): the next allocations
+    there are carved from it. (Memory given back to the driver comes back zeroed, so ``empty_cache`` must not run.)"""
+    torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(float("nan"))
+
+
+def _poisoned_warmups(monkeypatch, nbytes: int = 256 << 20) -> list[bool]:
+    """Before each warm-up, fill ``nbytes`` on the capture stream with NaN and free it, inside the graphs' pool
+    (where warm-ups and captures allocate) and outside it (where the eager code around the graphs allocates).
+    Returns, per warm-up, whether a fresh 4 MiB tensor of the pool read NaN (the poison took)."""
+    original = CudaRecorder.warmup
+    took = []
+
+    def warmup(self, run, iters, pool=None):
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(self.stream):
+            _fill_and_free(nbytes, self.device)
+            with self._allocating_in(pool or self.pool):
+                _fill_and_free(nbytes, self.device)
+                took.append(bool(torch.empty(1 << 20, device=self.device).isnan().all()))
+        torch.cuda.synchronize(self.device)
+        original(self, run, iters, pool)
+
+    monkeypatch.setattr(CudaRecorder, "warmup", warmup)
+    return took
+
+
+def test_graphed_training_reads_no_memory_it_did_not_write(tmp_path, monkeypatch, report):
+    """Before every warm-up (so before every capture) the graphs' pool and the capture stream get a cached block full
+    of NaN, which the capture's allocations reuse; eager's run gets the same on its stream. A graph, or the eager
+    code around it, that read memory no kernel of the step wrote would make a loss NaN or change it. Deterministic
+    losses of every scope must still equal eager's bit for bit, over a stream that captures buckets mid-run."""
+    took = _poisoned_warmups(monkeypatch)
+    runs = {}
+    configs = [("eager", {"graphs": False})] + [(f"graphed-{s}", {"graphs": True, "scope": s}) for s in SCOPES]
+    for name, overrides in configs:
+        _fill_and_free(256 << 20, torch.device("cuda"))
+        runs[name] = train(tiny_run(tmp_path / name, 25, deterministic=True, **overrides), echo=None)
+    assert took and took[0], "the first warm-up's pool did not hand out the NaN block: nothing was poisoned"
+    eager = runs["eager"].losses
+    assert all(loss == loss for loss in eager)  # no NaN in the reference
+    for name, run in runs.items():
+        if name != "eager":
+            assert run.num_graph_sets >= 2, name
+            assert run.losses == eager, name
+    report("poisoned pools: warm-ups whose pool handed out NaN", f"{sum(took)} / {len(took)}")
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphed-layer"])
