@@ -13,7 +13,13 @@ For the benchmark's streams (``packgraph.bench.data.batch_stream``: corpus, shor
   step's allocated peak holds them on top of what eager's holds
   (``bench/results/2026-12-01-h200-gpu-check-stack/NOTES.md``);
 * ``grid / eager``: FA2's forward grid over the stream, ``ceil(max_seqlen / 128) x slots`` blocks per batch (per
-  head), against eager's at the batch's true max_seqlen and document count. Empty blocks still cost GPU time.
+  head), against eager's at the batch's true max_seqlen and document count. Empty blocks still cost GPU time;
+* ``empty blocks``: the same grids as a difference, blocks per head per batch beyond eager's. What an empty block
+  costs is fixed (it is scheduled, then exits), so the difference, not the ratio, is what adds time: a small
+  bucket may have several times eager's grid and still add nothing measurable;
+* ``longest alone``: those blocks if the longest document ran in an attention call of its own at the bucket's
+  max_seqlen, and the other ``capacity - 1`` slots in a second call at the ladder's max_seqlen rung above the
+  second-longest document (a static rung more in the signature: ``graphs`` counts the signatures then).
 
 The default of 201 batches is the length of the streams ``packgraph bench --standard`` builds (``max(steps,
 graph_batches) + 1``): ``batch_stream`` draws a different stream for each length, so counts over another length
@@ -48,20 +54,40 @@ def _accum_bytes(slots: int) -> int:
     return min(slots, SLOTS_PER_BACKWARD) * backward_bytes_per_slot(HEADS, HEAD_DIM)
 
 
+def _blocks(max_seqlen: int, slots: int) -> int:
+    """FA2's forward grid per head: one block per 128 rows of max_seqlen per slot."""
+    return math.ceil(max_seqlen / 128) * slots
+
+
+def _rung_above(ladder: Sequence[int], length: int) -> int:
+    return next(r for r in ladder if r >= length)
+
+
 def count(stream: Sequence, policy: BucketPolicy) -> dict:
     seen: dict[tuple[int, int], int] = {}
-    grid = grid_eager = 0
+    split_signatures: set[tuple[int, int, int]] = set()
+    grid = grid_eager = grid_split = batches = 0
     for b in stream:
-        p = b.packed_seq_params
-        n, longest = len(b.doc_lengths), p.max_seqlen_q
+        lengths = sorted(b.doc_lengths)
+        n, longest = len(lengths), b.packed_seq_params.max_seqlen_q
         bucket = policy.bucket_for(longest, n)
         seen.setdefault((bucket.max_seqlen, bucket.capacity), n)
-        grid += math.ceil(bucket.max_seqlen / 128) * bucket.capacity
-        grid_eager += math.ceil(max(longest, 1) / 128) * max(n, 1)
+        grid += _blocks(bucket.max_seqlen, bucket.capacity)
+        grid_eager += _blocks(max(longest, 1), max(n, 1))
+        rest = _rung_above(policy.max_seqlen_ladder, lengths[-2]) if n > 1 else 0
+        grid_split += _blocks(bucket.max_seqlen, 1) + _blocks(rest, bucket.capacity - 1)
+        split_signatures.add((bucket.max_seqlen, bucket.capacity, rest))
+        batches += 1
     ghosts = max(c - n for (_, c), n in seen.items())
     extra = max(_accum_bytes(c) - _accum_bytes(n) for (_, c), n in seen.items())
     return dict(
-        buckets=len(seen), capture_ghosts=ghosts, capture_extra_mib=extra / MiB, grid_over_eager=grid / grid_eager
+        buckets=len(seen),
+        capture_ghosts=ghosts,
+        capture_extra_mib=extra / MiB,
+        grid_over_eager=grid / grid_eager,
+        empty_blocks=(grid - grid_eager) / batches,
+        empty_blocks_longest_alone=(grid_split - grid_eager) / batches,
+        graphs_longest_alone=len(split_signatures),
     )
 
 
@@ -77,13 +103,15 @@ def main() -> None:
                 stream = batch_stream(mix, T, args.batches, policy=policy)
                 rows.append(dict(T=T, ladder=name, mix=mix, **count(stream, policy)))
     lines = [
-        "| T | ladder | mix | buckets | most ghost slots at a capture | their FA2 bwd buffers (MiB) | grid / eager |",
-        "|---|---|---|---|---|---|---|",
+        "| T | ladder | mix | buckets | most ghost slots at a capture | their FA2 bwd buffers (MiB) | grid / eager "
+        "| empty blocks | longest alone: empty blocks | longest alone: graphs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['T']} | {r['ladder']} | {r['mix']} | {r['buckets']} | {r['capture_ghosts']} | "
-            f"{r['capture_extra_mib']:.1f} | {r['grid_over_eager']:.2f} |"
+            f"{r['capture_extra_mib']:.1f} | {r['grid_over_eager']:.2f} | {r['empty_blocks']:.0f} | "
+            f"{r['empty_blocks_longest_alone']:.0f} | {r['graphs_longest_alone']} |"
         )
     table = "\n".join(lines)
     print(table)
