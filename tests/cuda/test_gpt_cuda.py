@@ -215,10 +215,12 @@ def test_graphed_training_reads_no_memory_it_did_not_write(tmp_path, monkeypatch
     """Before every warm-up (so before every capture) the graphs' pool and the capture stream get a cached block full
     of NaN, which the capture's allocations reuse; eager's run gets the same on its stream. A graph, or the eager
     code around it, that read memory no kernel of the step wrote would make a loss NaN or change it. Deterministic
-    losses of every scope must still equal eager's bit for bit, over a stream that captures buckets mid-run."""
+    losses of each scope must still equal eager's bit for bit, over a stream that captures buckets mid-run."""
     took = _poisoned_warmups(monkeypatch)
     runs = {}
-    configs = [("eager", {"graphs": False})] + [(f"graphed-{s}", {"graphs": True, "scope": s}) for s in SCOPES]
+    # The scopes of the unpoisoned deterministic test above (scope "mlp" has one graph set: no mid-run capture).
+    scopes = ("layer", "attn", "model")
+    configs = [("eager", {"graphs": False})] + [(f"graphed-{s}", {"graphs": True, "scope": s}) for s in scopes]
     for name, overrides in configs:
         _fill_and_free(256 << 20, torch.device("cuda"))
         runs[name] = train(tiny_run(tmp_path / name, 25, deterministic=True, **overrides), echo=None)
