@@ -21,10 +21,7 @@ max_seqlen: that checks the split's bookkeeping, not FlashAttention's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from datetime import UTC, datetime
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -32,26 +29,13 @@ from torch import Tensor
 from packgraph.bench.attention import graph_replay_ms
 from packgraph.bench.data import batch_stream
 from packgraph.bench.machine import machine_info
+from packgraph.bench.report import write_table
 from packgraph.buckets import default_buckets
 from packgraph.ops import varlen_attention
+from packgraph.ops.attention import _ZeroDeadRowGrad
 from packgraph.params import PackedSeqParams
 
 HEADS, HEAD_DIM = 8, 64  # the small model
-
-
-class _GradWhere(torch.autograd.Function):
-    """Identity forward; the backward keeps the gradient where ``keep`` and puts exact zeros elsewhere (rows a
-    FlashAttention call never writes hold uninitialised memory, possibly NaN: select, don't multiply)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, keep: Tensor) -> Tensor:
-        ctx.save_for_backward(keep)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        (keep,) = ctx.saved_tensors
-        return torch.where(keep[:, None, None], grad, 0), None
 
 
 def split_attention(q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams, rest: int) -> Tensor:
@@ -87,8 +71,9 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams, re
         max_seqlen_q=rest,
         max_seqlen_kv=rest,
     )
+    # The engine's own dead-row rule: identity forward, exact zeros outside ``keep`` in the backward.
     keep = ~in_long
-    out_rest = varlen_attention(*(_GradWhere.apply(t, keep) for t in (q, k, v)), others)
+    out_rest = varlen_attention(*(_ZeroDeadRowGrad.apply(t, keep) for t in (q, k, v)), others)
     return torch.where(in_long[:, None, None], out_long, out_rest)
 
 
@@ -179,11 +164,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = dict(date=datetime.now(UTC).isoformat(timespec="seconds"), argv=vars(args), machine=machine_info(device))
-        (out / "attention_split.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        (out / "attention_split.md").write_text(table + "\n")
+        write_table(args.out, "attention_split", table, rows, dict(argv=vars(args), machine=machine_info(device)))
 
 
 if __name__ == "__main__":

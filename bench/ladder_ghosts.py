@@ -31,14 +31,12 @@ These are counts, not timings: what a ladder does to step time and memory is for
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Sequence
-from datetime import UTC, datetime
-from pathlib import Path
 
 from packgraph.bench.data import batch_stream
 from packgraph.bench.presets import LADDERS, ladder_policy
+from packgraph.bench.report import write_table
 from packgraph.buckets import BucketPolicy
 from packgraph.ops.flash_chunks import SLOTS_PER_BACKWARD, backward_bytes_per_slot
 
@@ -116,15 +114,12 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = dict(date=datetime.now(UTC).isoformat(timespec="seconds"), batches=args.batches, host="CPU, no GPU")
+        meta = dict(batches=args.batches, host="CPU, no GPU")
         meta["ladders"] = {
             T: {k: [list(v.max_seqlen_ladder), list(v.capacity_ladder)] for k, v in ladders(T).items()}
             for T in (2048, 8192)
         }
-        (out / "ladder_ghosts.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        (out / "ladder_ghosts.md").write_text(table + "\n")
+        write_table(args.out, "ladder_ghosts", table, rows, meta)
 
 
 if __name__ == "__main__":

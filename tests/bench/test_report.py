@@ -1,8 +1,10 @@
 """The tables: the README table, step/busy from the busy split, the kernel-class table."""
 
+import json
+
 import pytest
 
-from packgraph.bench.report import busy_delta, kernel_class_table, readme_table, results_markdown
+from packgraph.bench.report import busy_delta, kernel_class_table, readme_table, results_markdown, write_table
 from tests.bench.records import busy_split_cell, one_cell_records, record, results_doc
 
 
@@ -51,3 +53,11 @@ def test_busy_split_drives_step_over_busy_and_the_kernel_class_table():
         "0.300",
     ]
     assert "## GPU-busy by kernel class" in results_markdown(doc)
+
+
+def test_write_table_keeps_the_table_and_the_rows_with_a_date(tmp_path):
+    rows = [{"T": 2048, "x": 1.5}]
+    write_table(tmp_path / "new", "counts", "| T | x |", rows, {"host": "CPU"})
+    assert (tmp_path / "new" / "counts.md").read_text() == "| T | x |\n"
+    doc = json.loads((tmp_path / "new" / "counts.json").read_text())
+    assert doc["rows"] == rows and doc["meta"]["host"] == "CPU" and doc["meta"]["date"].startswith("20")

@@ -30,6 +30,7 @@ __all__ = [
     "results_markdown",
     "results_table",
     "sort_records",
+    "write_table",
 ]
 
 RECORD_FIELDS: dict[str, tuple[type, ...]] = {
@@ -383,3 +384,15 @@ def _memory_ratios(pg: Mapping[str, Any] | None, eager: Mapping[str, Any] | None
     if pg.get("peak_reserved_mib") and eager.get("peak_reserved_mib"):
         return f"{alloc:.3f} / {pg['peak_reserved_mib'] / eager['peak_reserved_mib']:.2f}"
     return f"{alloc:.3f} / -"
+
+
+def write_table(out_dir: str | Path, stem: str, table: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Write ``<stem>.md`` (``table``) and ``<stem>.json`` (``meta`` and ``rows``) under ``out_dir``, made if
+    missing: how the scripts of ``bench/`` keep what they print. ``meta`` gets the UTC date."""
+    from datetime import UTC, datetime
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), **meta}
+    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    (out / f"{stem}.md").write_text(table + "\n")
