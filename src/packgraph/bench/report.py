@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -389,8 +390,6 @@ def _memory_ratios(pg: Mapping[str, Any] | None, eager: Mapping[str, Any] | None
 def write_table(out_dir: str | Path, stem: str, table: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     """Write ``<stem>.md`` (``table``) and ``<stem>.json`` (``meta`` and ``rows``) under ``out_dir``, made if
     missing: how the scripts of ``bench/`` keep what they print. ``meta`` gets the UTC date."""
-    from datetime import UTC, datetime
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), **meta}
