@@ -1,19 +1,25 @@
-"""Varlen attention with the longest document in a call of its own, timed against one call at the bucket (GPU).
+"""Varlen attention split two ways, timed against one FA2 call at the bucket and at the batch's true shape (GPU).
 
-    python3 bench/attention_split.py [--T 2048] [--min-capacity 128] [--reps 20] [--out DIR]
+    python3 bench/attention_split.py [--T 2048] [--min-capacity 1] [--reps 20] [--out DIR]
 
 A question for ``docs/buckets.md`` (last section), answered before anything is built into ``packgraph.ops``:
 FlashAttention's grid has a block per 128 rows of ``max_seqlen`` per slot, and the bucket tour's large buckets
 are mostly many short documents beside one long one. For each distinct bucket of the tour stream (``batch_stream``,
 201 batches, default ladder) with at least ``--min-capacity`` slots, it times the forward and backward of:
 
-* ``eager``: one call at the batch's true max_seqlen and document count;
-* ``bucket``: one call at the bucket (what a graph runs today);
+* ``eager``: one FA2 call at the batch's true max_seqlen and document count;
+* ``bucket``: one FA2 call at the bucket;
 * ``split``: :func:`split_attention` at the bucket, the other documents at the ladder's rung above the
-  second-longest one.
+  second-longest one;
+* ``short_docs``: :mod:`packgraph.ops.short_docs` at the bucket (short documents in local blocks, long ones in
+  one FA2 call of few slots), and ``eager_short_docs`` at the true shape.
 
-Times are medians of CUDA-graph replays (:func:`packgraph.bench.attention.graph_replay_ms`), the three measured
-side by side on the same packing. Each split output and grad is checked against the bucket call's first (the
+"One FA2 call" is ``varlen_attention`` with ``SHORT_DOCS_MIN_SLOTS`` raised past every slot count, and
+``short_docs`` the same with it lowered to 1: which path a capacity takes by default is what these times decide.
+Each method's backward peak (allocated above its inputs, one eager call) is reported too.
+
+Times are medians of CUDA-graph replays (:func:`packgraph.bench.attention.graph_replay_ms`), all measured
+side by side on the same packing. Each split's outputs and grads are checked against the bucket call's first (the
 largest difference is reported, and a NaN fails the run). On the CPU both run the exact reference, which ignores
 max_seqlen: that checks the split's bookkeeping, not FlashAttention's.
 """
@@ -21,6 +27,7 @@ max_seqlen: that checks the split's bookkeeping, not FlashAttention's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
@@ -31,7 +38,7 @@ from packgraph.bench.data import batch_stream
 from packgraph.bench.machine import machine_info
 from packgraph.bench.report import write_table
 from packgraph.buckets import default_buckets
-from packgraph.ops import varlen_attention
+from packgraph.ops import attention, varlen_attention
 from packgraph.ops.attention import _ZeroDeadRowGrad
 from packgraph.params import PackedSeqParams
 
@@ -80,15 +87,45 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams, re
 def _fwd_bwd(attend, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor):
     def once() -> tuple[Tensor, ...]:
         out = attend(q, k, v)
-        return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        # Detached, so no autograd graph outlives the call: a kept graph keeps q/k/v's AccumulateGrad nodes on the
+        # stream that made them, and a later capture on another stream then fails (cudaErrorStreamCaptureImplicit).
+        return (out.detach(), *grads)
 
     return once
+
+
+@contextlib.contextmanager
+def short_docs_from(slots: int):
+    """``varlen_attention`` runs packgraph.ops.short_docs from ``slots`` slots on, inside the block."""
+    before = attention.SHORT_DOCS_MIN_SLOTS
+    attention.SHORT_DOCS_MIN_SLOTS = slots
+    try:
+        yield
+    finally:
+        attention.SHORT_DOCS_MIN_SLOTS = before
+
+
+ONE_CALL, SHORT_DOCS = 10**9, 1
 
 
 def _median_ms(fn, device: torch.device, reps: int) -> float:
     if device.type == "cuda":
         return statistics.median(graph_replay_ms(fn, device, reps=reps))
     return float("nan")  # the reference on the CPU times nothing worth reporting
+
+
+def _backward_peak_mib(fn, device: torch.device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del result
+    return peak / 2**20
 
 
 def measure(T: int, *, min_capacity: int, reps: int, device: torch.device, seed: int = 0) -> list[dict]:
@@ -115,16 +152,32 @@ def measure(T: int, *, min_capacity: int, reps: int, device: torch.device, seed:
             )
 
         exact, at_bucket = params_at(longest, n), params_at(bucket.max_seqlen, bucket.capacity)
-        runs = {
-            "eager": _fwd_bwd(lambda a, b, c, p=exact: varlen_attention(a, b, c, p), q, k, v, grad_out),
-            "bucket": _fwd_bwd(lambda a, b, c, p=at_bucket: varlen_attention(a, b, c, p), q, k, v, grad_out),
-            "split": _fwd_bwd(lambda a, b, c, p=at_bucket, r=rest: split_attention(a, b, c, p, r), q, k, v, grad_out),
+        one = _fwd_bwd(lambda a, b, c, p=at_bucket: varlen_attention(a, b, c, p), q, k, v, grad_out)
+        eager = _fwd_bwd(lambda a, b, c, p=exact: varlen_attention(a, b, c, p), q, k, v, grad_out)
+        runs = {  # name: (slots from which short_docs runs, fn)
+            "eager": (ONE_CALL, eager),
+            "bucket": (ONE_CALL, one),
+            "split": (
+                ONE_CALL,
+                _fwd_bwd(lambda a, b, c, p=at_bucket, r=rest: split_attention(a, b, c, p, r), q, k, v, grad_out),
+            ),
+            "short_docs": (SHORT_DOCS, one),
+            "eager_short_docs": (SHORT_DOCS, eager),
         }
-        want, got = runs["bucket"](), runs["split"]()
-        diff = max((w.float() - g.float()).abs().max().item() for w, g in zip(want, got, strict=True))
-        if diff != diff:
-            raise RuntimeError(f"split attention gave NaN at bucket {bucket}: a row it should discard leaked")
-        ms = {name: _median_ms(fn, device, reps) for name, fn in runs.items()}
+        diffs = {}
+        with short_docs_from(ONE_CALL):
+            want = one()
+        for name in ("split", "short_docs"):
+            with short_docs_from(runs[name][0]):
+                got = runs[name][1]()
+            diffs[name] = max((w.float() - g.float()).abs().max().item() for w, g in zip(want, got, strict=True))
+            if diffs[name] != diffs[name]:
+                raise RuntimeError(f"{name} attention gave NaN at bucket {bucket}: a row it should discard leaked")
+        ms, peak = {}, {}
+        for name, (slots, fn) in runs.items():
+            with short_docs_from(slots):
+                ms[name] = _median_ms(fn, device, reps)
+                peak[name] = _backward_peak_mib(fn, device)
         rows.append(
             dict(
                 T=T,
@@ -134,7 +187,8 @@ def measure(T: int, *, min_capacity: int, reps: int, device: torch.device, seed:
                 bucket=[bucket.max_seqlen, bucket.capacity],
                 rest=rest,
                 **{f"{name}_ms": t for name, t in ms.items()},
-                max_abs_diff_vs_bucket=diff,
+                **{f"{name}_peak_mib": m for name, m in peak.items()},
+                **{f"{name}_max_abs_diff_vs_bucket": d for name, d in diffs.items()},
             )
         )
     return rows
@@ -143,23 +197,26 @@ def measure(T: int, *, min_capacity: int, reps: int, device: torch.device, seed:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, default=2048)
-    ap.add_argument("--min-capacity", type=int, default=128)
+    ap.add_argument("--min-capacity", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = measure(args.T, min_capacity=args.min_capacity, reps=args.reps, device=device)
     lines = [
-        "| docs | longest | second | bucket | rest rung | eager ms | bucket ms | split ms | split / bucket | "
-        "split / eager | max diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| docs | longest | bucket | eager ms | bucket ms | split ms | short_docs ms | eager short_docs ms | "
+        "short_docs / bucket | short_docs / eager | peak MiB eager / bucket / short_docs | "
+        "max diff split / short_docs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['docs']} | {r['longest']} | {r['second']} | {r['bucket'][0]} x {r['bucket'][1]} | {r['rest']} | "
-            f"{r['eager_ms']:.3f} | {r['bucket_ms']:.3f} | {r['split_ms']:.3f} | "
-            f"{r['split_ms'] / r['bucket_ms']:.2f} | {r['split_ms'] / r['eager_ms']:.2f} | "
-            f"{r['max_abs_diff_vs_bucket']:.3g} |"
+            f"| {r['docs']} | {r['longest']} | {r['bucket'][0]} x {r['bucket'][1]} | "
+            f"{r['eager_ms']:.3f} | {r['bucket_ms']:.3f} | {r['split_ms']:.3f} | {r['short_docs_ms']:.3f} | "
+            f"{r['eager_short_docs_ms']:.3f} | {r['short_docs_ms'] / r['bucket_ms']:.2f} | "
+            f"{r['short_docs_ms'] / r['eager_ms']:.2f} | "
+            f"{r['eager_peak_mib']:.0f} / {r['bucket_peak_mib']:.0f} / {r['short_docs_peak_mib']:.0f} | "
+            f"{r['split_max_abs_diff_vs_bucket']:.3g} / {r['short_docs_max_abs_diff_vs_bucket']:.3g} |"
         )
     table = "\n".join(lines)
     print(table)

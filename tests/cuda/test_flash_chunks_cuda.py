@@ -20,6 +20,12 @@ DEVICE = "cuda"
 T, HQ, D, MAX_SEQLEN = 2048, 8, 64, 256
 
 
+@pytest.fixture(autouse=True)
+def _one_fa2_call_on_every_slot(monkeypatch):
+    """The subject is FA2's backward over all the slots, chunked or not: keep packgraph.ops.short_docs out."""
+    monkeypatch.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", 10**9)
+
+
 def _lengths(n_docs, seed, pad):
     rng = random.Random(seed)
     lengths = [MAX_SEQLEN] + [rng.choice([1, 1, 2, 3, rng.randint(1, 40)]) for _ in range(n_docs - 1)]

@@ -81,21 +81,31 @@ def assert_flash_path(q):
     assert attention_mod._torch_varlen_api() is not None, f"torch {torch.__version__} has no varlen_attn"
 
 
+def use_short_docs(monkeypatch, q, k, params):
+    """Route these offsets through packgraph.ops.short_docs (local blocks + one FA2 call on the long documents)
+    although their capacity is below SHORT_DOCS_MIN_SLOTS, and check that it applies."""
+    monkeypatch.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", 1)
+    assert attention_mod._short_docs_apply(q, k, params, True)
+
+
 # ------------------------------------------------------------------------------------------------ FA2 vs reference
 @pytest.mark.parametrize(
-    "pad,causal,hkv,scale",
+    "pad,causal,hkv,scale,short_docs",
     [
-        (1, True, HQ, None),
-        (1, False, HQ, None),
-        (1, True, HKV, None),
-        (1, False, 1, None),
-        (8, True, HKV, None),
-        (8, False, HKV, None),
-        (8, True, 1, 0.05),
-        (4, True, HQ, 0.2),
+        (1, True, HQ, None, False),
+        (1, False, HQ, None, False),
+        (1, True, HKV, None, False),
+        (1, False, 1, None, False),
+        (8, True, HKV, None, False),
+        (8, False, HKV, None, False),
+        (8, True, 1, 0.05, False),
+        (4, True, HQ, 0.2, False),
+        (1, True, HQ, None, True),
+        (1, True, HKV, None, True),
+        (1, True, 1, 0.05, True),
     ],
 )
-def test_flash_matches_float64_reference(pad, causal, hkv, scale, report):
+def test_flash_matches_float64_reference(monkeypatch, pad, causal, hkv, scale, short_docs, report):
     # long and short documents, 1-token and zero-length ones, 8 ghost slots, a tail (and padding when pad > 1)
     lengths = [37, 1, 200, 0, 1, 64, 3, 1]
     params = make_params(lengths, pad)
@@ -106,6 +116,8 @@ def test_flash_matches_float64_reference(pad, causal, hkv, scale, report):
         randn(T, hkv, D, requires_grad=True),
     )
     assert_flash_path(q)
+    if short_docs:
+        use_short_docs(monkeypatch, q, k, params)
     weight = torch.randn(T, HQ, D, device=DEVICE)
     out = varlen_attention(q, k, v, params, causal=causal, softmax_scale=scale)
     assert out.dtype == torch.bfloat16 and out.shape == (T, HQ, D)
@@ -117,7 +129,9 @@ def test_flash_matches_float64_reference(pad, causal, hkv, scale, report):
 
     errors = {"out": rel_err(out, ref)}
     errors.update({f"d{n}": rel_err(x.grad, r.grad) for n, x, r in zip("qkv", (q, k, v), ref_leaves, strict=True)})
-    tag = f"pad{pad} {'causal' if causal else 'full'} hq{HQ}/hkv{hkv} scale={scale}"
+    tag = (
+        f"pad{pad} {'causal' if causal else 'full'} hq{HQ}/hkv{hkv} scale={scale}{' short-docs' if short_docs else ''}"
+    )
     report(f"FA2 bf16 vs fp64 ref ({tag}): max rel err", max(errors.values()))
     for name, err in errors.items():
         assert err < 1e-2, f"{name}: relative error {err:.3g} ({tag})"
@@ -160,14 +174,25 @@ def warm_up(fn, iters=3):
     torch.cuda.current_stream().wait_stream(side)
 
 
-@pytest.mark.parametrize("pad", [1, 8], ids=["plain", "padded8"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-flash", "fp32-reference"])
-def test_graph_replay_forward_matches_eager(dtype, pad, report):
+@pytest.mark.parametrize(
+    "dtype,pad,short_docs",
+    [
+        (torch.bfloat16, 1, False),
+        (torch.bfloat16, 8, False),
+        (torch.float32, 1, False),
+        (torch.float32, 8, False),
+        (torch.bfloat16, 1, True),
+    ],
+    ids=["bf16-flash-plain", "bf16-flash-padded8", "fp32-reference-plain", "fp32-reference-padded8", "short-docs"],
+)
+def test_graph_replay_forward_matches_eager(monkeypatch, dtype, pad, short_docs, report):
     cases = packings(30, seed=1 + pad, pad=pad)
     static = StaticParams(cases[0], pad)
     q, k, v = randn(T, HQ, D, dtype=dtype), randn(T, HKV, D, dtype=dtype), randn(T, HKV, D, dtype=dtype)
     if dtype == torch.bfloat16:
         assert_flash_path(q)
+    if short_docs:
+        use_short_docs(monkeypatch, q, k, static.params)
     with torch.no_grad():
         warm_up(lambda: rope_attention(q, k, v, static.params))
         graph = torch.cuda.CUDAGraph()
@@ -191,7 +216,7 @@ def test_graph_replay_forward_matches_eager(dtype, pad, report):
                 ref_in = [x.double().cpu() for x in (q, k, v)]
                 ref = rope_attention(*ref_in, cpu)
                 worst_ref = max(worst_ref, rel_err(static_out, ref))
-    tag = f"{str(dtype).removeprefix('torch.')}, {'padded' if pad > 1 else 'plain'}"
+    tag = f"{str(dtype).removeprefix('torch.')}, {'padded' if pad > 1 else 'short-docs' if short_docs else 'plain'}"
     report(f"ops graph replay vs eager ({tag}): max |diff|", worst)
     report(f"ops graph replay vs eager ({tag}): packings", len(cases))
     report(f"ops graph replay vs fp64 ref ({tag}): max rel err", worst_ref)
@@ -199,13 +224,15 @@ def test_graph_replay_forward_matches_eager(dtype, pad, report):
     assert worst_ref < 1e-2
 
 
-@pytest.mark.parametrize("pad", [1, 8], ids=["plain", "padded8"])
-def test_graph_replay_with_backward_matches_eager(pad, report):
+@pytest.mark.parametrize("pad,short_docs", [(1, False), (8, False), (1, True)], ids=["plain", "padded8", "short-docs"])
+def test_graph_replay_with_backward_matches_eager(monkeypatch, pad, short_docs, report):
     cases = packings(25, seed=100 + pad, pad=pad)
     static = StaticParams(cases[0], pad)
     q, k, v = (randn(T, h, D, requires_grad=True) for h in (HQ, HKV, HKV))
     weight = torch.randn(T, HQ, D, device=DEVICE)
     assert_flash_path(q)
+    if short_docs:
+        use_short_docs(monkeypatch, q, k, static.params)
 
     def step():
         out = rope_attention(q, k, v, static.params)
@@ -244,19 +271,31 @@ def test_graph_replay_with_backward_matches_eager(pad, report):
             worst_grad = max(worst_grad, err)
             assert err < 5e-3, f"packing {i} {lengths}: d{name} replay vs eager rel err {err}"
             assert_dead_rows_zero(got, live, f"packing {i} d{name}")
-    report(f"ops graph fwd+bwd replay vs eager (pad {pad}): max |out diff|", worst_out)
-    report(f"ops graph fwd+bwd replay vs eager (pad {pad}): max grad rel err", worst_grad)
-    report(f"ops graph fwd+bwd replay vs eager (pad {pad}): packings", len(cases))
+    tag = f"pad {pad}{', short-docs' if short_docs else ''}"
+    report(f"ops graph fwd+bwd replay vs eager ({tag}): max |out diff|", worst_out)
+    report(f"ops graph fwd+bwd replay vs eager ({tag}): max grad rel err", worst_grad)
+    report(f"ops graph fwd+bwd replay vs eager ({tag}): packings", len(cases))
     assert worst_out <= 1e-3
 
 
 # ------------------------------------------------------------------------------------------------ no host sync
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-flash", "fp32-reference"])
-@pytest.mark.parametrize("pad", [1, 8], ids=["plain", "padded8"])
-def test_no_host_sync(dtype, pad):
-    lengths = [5, 1, 0, 40, 17]
+@pytest.mark.parametrize(
+    "dtype,pad,short_docs",
+    [
+        (torch.bfloat16, 1, False),
+        (torch.bfloat16, 8, False),
+        (torch.float32, 1, False),
+        (torch.float32, 8, False),
+        (torch.bfloat16, 1, True),
+    ],
+    ids=["bf16-flash-plain", "bf16-flash-padded8", "fp32-reference-plain", "fp32-reference-padded8", "short-docs"],
+)
+def test_no_host_sync(monkeypatch, dtype, pad, short_docs):
+    lengths = [5, 1, 0, 40, 17, 200]
     params = make_params(lengths, pad)  # host-to-device copies happen here, before the debug mode
     q, k, v = (randn(T, h, D, dtype=dtype, requires_grad=True) for h in (HQ, HKV, HKV))
+    if short_docs:
+        use_short_docs(monkeypatch, q, k, params)
     weight = torch.randn(T, HQ, D, device=DEVICE)
     position_ids = torch.arange(T, device=DEVICE)
     rope_attention(q, k, v, params)  # first call: signature detection, RoPE cache

@@ -269,7 +269,7 @@ class _NaNGradOutside(torch.autograd.Function):
 def fake_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, calls, **seen):
     """FA2 semantics on CPU: segments from cu_q/cu_k; rows past a segment's first max_q (max_k) rows and rows
     in no segment are garbage (NaN) in the output and in the gradients."""
-    calls.append(dict(hq=q.shape[1], hkv=k.shape[1], max_q=max_q, scale=scale, **seen))
+    calls.append(dict(hq=q.shape[1], hkv=k.shape[1], max_q=max_q, scale=scale, slots=cu_q.numel() - 1, **seen))
     cq, ck = cu_q.tolist(), cu_k.tolist()
     covered_q = torch.zeros(q.shape[0], dtype=torch.bool)
     covered_k = torch.zeros(k.shape[0], dtype=torch.bool)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from packgraph.ops.flash_chunks import SLOTS_PER_BACKWARD, flash_attention_slot_chunks, gqa_max_seqlen_q
+from packgraph.ops.short_docs import long_doc_slots, short_and_long_attention
 from packgraph.params import PackedSeqParams, PackedSeqParamsError, slot_of_rows
 
 __all__ = ["varlen_attention", "varlen_attention_reference", "row_layout", "RowLayout", "flash_offsets"]
@@ -35,6 +36,9 @@ __all__ = ["varlen_attention", "varlen_attention_reference", "row_layout", "RowL
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 _MIN_TORCH_FOR_FLASH = "2.10"
+# From this many slots (ghosts count) causal self-attention runs packgraph.ops.short_docs, whose cost does not
+# grow with the slot count; below it one FA2 call is cheaper (bench/attention_split.py, docs/buckets.md).
+SHORT_DOCS_MIN_SLOTS = 512
 
 
 class RowLayout(NamedTuple):
@@ -318,9 +322,31 @@ def _flash_attention(
         if not isinstance(getattr(params, name), int):
             raise PackedSeqParamsError(name, "required (a static Python int) for FlashAttention")
     rows_q, rows_k = _row_layouts(q, k, params)
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if _short_docs_apply(q, k, params, causal):
+        rows = rows_q
+        run = flash_attention_slot_chunks if long_doc_slots(q.shape[0]) > SLOTS_PER_BACKWARD and grads else api
+
+        def flash(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -> Tensor:
+            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+            max_q, max_k = params.max_seqlen_q, params.max_seqlen_kv
+            return run(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, softmax_scale=softmax_scale)
+
+        scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        return short_and_long_attention(
+            q,
+            k,
+            v,
+            params.cu_seqlens_q,
+            rows.slot,
+            rows.length,
+            rows.live,
+            scale=scale,
+            flash=flash,
+            zero_dead_grad=_ZeroDeadRowGrad.apply,
+        )
     cu_q, cu_k = flash_offsets(params)
     many_slots = cu_q.numel() - 1 > SLOTS_PER_BACKWARD
-    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if q.requires_grad:
         q = _ZeroDeadRowGrad.apply(q, rows_q.live)
     if k.requires_grad:
@@ -335,6 +361,21 @@ def _flash_attention(
     )
     # The kernel leaves dead rows unwritten (garbage, possibly NaN): select zeros, don't multiply.
     return torch.where(rows_q.live[:, None, None], out, 0)
+
+
+def _short_docs_apply(q: Tensor, k: Tensor, params: PackedSeqParams, causal: bool) -> bool:
+    """Whether :mod:`packgraph.ops.short_docs` runs these offsets: causal self-attention on shared offsets
+    without padded twins, of at least :data:`SHORT_DOCS_MIN_SLOTS` slots. Static: shapes, field identity and
+    capacity only. Not under torch.compile, whose tracing of the local path's recomputing backward is untested."""
+    return (
+        causal
+        and params.cu_seqlens_q.numel() - 1 >= SHORT_DOCS_MIN_SLOTS
+        and params.cu_seqlens_kv is params.cu_seqlens_q
+        and params.cu_seqlens_q_padded is None
+        and params.cu_seqlens_kv_padded is None
+        and k.shape[0] == q.shape[0]
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _flash_eligible(q: Tensor) -> bool:
