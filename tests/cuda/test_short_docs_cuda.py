@@ -1,5 +1,5 @@
 """GPU checks of packgraph.ops.short_docs at the bucket tour's scale: T=2048, 2048 slots, one long document among
-hundreds of short ones (and corpus-like mixes), where ``varlen_attention`` takes it by default.
+hundreds of short ones (and corpus-like mixes), with ``SHORT_DOCS_MIN_SLOTS`` at 512 (it is off by default).
 
 Against the float64 reference and against one FA2 call on every slot (the path it replaces): the same outputs and
 grads, no NaN, dead rows zero; a lower backward peak; and a CUDA-graph replay on new offsets, with no host sync,
@@ -53,7 +53,12 @@ def _rel(a, b):
 
 
 def _one_fa2_call(m):
-    m.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", 10**9)
+    m.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", None)
+
+
+@pytest.fixture(autouse=True)
+def _short_docs_from_512_slots(monkeypatch):
+    monkeypatch.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", 512)
 
 
 @pytest.mark.parametrize("hkv", [HQ, 2])
@@ -61,7 +66,7 @@ def _one_fa2_call(m):
 def test_short_docs_match_float64_and_the_one_call_path(monkeypatch, kind, hkv, report):
     params = _params(_lengths(kind, 0))
     q, k, v, grad = _inputs(hkv, 1)
-    assert attention_mod._short_docs_apply(q, k, params, True)  # the default at this capacity
+    assert attention_mod._short_docs_apply(q, k, params, True)
     got = _fwd_bwd(q, k, v, grad, params)
     with monkeypatch.context() as m:
         _one_fa2_call(m)

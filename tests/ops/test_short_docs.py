@@ -137,3 +137,30 @@ def test_used_only_where_it_applies(monkeypatch):
         assert calls[-1]["slots"] == attention_mod.flash_offsets(params)[0].numel() - 1
     attention_mod._flash_attention(q[:total], k[:total], v[:total], plain, causal=True, softmax_scale=None, api=api)
     assert calls[-1]["slots"] == short_docs.long_doc_slots(total)
+
+
+def test_off_by_default_because_a_slot_count_is_not_bucket_invariant(monkeypatch):
+    """By default the result does not depend on the bucket the params are padded to (bit for bit), as a graph's
+    must not. With short_docs from 512 slots it does: 200 documents run one FA2 call at their own capacity and
+    short_docs in the 512-slot bucket, and the two round the short documents differently."""
+    from packgraph.buckets import default_buckets
+
+    total = 1024
+    lengths = [1, 3] * 90 + [300, 200] + [2] * 18
+    true = PackedSeqParams.from_seqlens(lengths, total_tokens=total)
+    bucketed = default_buckets(total).apply(true)
+    assert true.cu_seqlens_q.numel() - 1 == 200 < 512 == bucketed.cu_seqlens_q.numel() - 1
+    api = attention_mod._VarlenAPI.from_function(fake_apis([])["2.12"])
+    q, k, v = qkv(total, 4, 2, 8, seed=8)
+
+    def both():
+        return [
+            attention_mod._flash_attention(q, k, v, p, causal=True, softmax_scale=None, api=api)
+            for p in (true, bucketed)
+        ]
+
+    assert torch.equal(*both())
+    monkeypatch.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", 512)
+    a, b = both()
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)  # the same attention...
+    assert not torch.equal(a, b)  # ...but not the same bits

@@ -37,8 +37,10 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 _MIN_TORCH_FOR_FLASH = "2.10"
 # From this many slots (ghosts count) causal self-attention runs packgraph.ops.short_docs, whose cost does not
-# grow with the slot count; below it one FA2 call is cheaper (bench/attention_split.py, docs/buckets.md).
-SHORT_DOCS_MIN_SLOTS = 512
+# grow with the slot count; None: never. Off by default because a slot count is not bucket-invariant: a batch of
+# 300 documents runs one FA2 call eagerly and short_docs in a 512-slot bucket, and the two kernels round short
+# documents differently, so a graphed call would differ from eager (docs/buckets.md, last section).
+SHORT_DOCS_MIN_SLOTS: int | None = None
 
 
 class RowLayout(NamedTuple):
@@ -365,10 +367,12 @@ def _flash_attention(
 
 def _short_docs_apply(q: Tensor, k: Tensor, params: PackedSeqParams, causal: bool) -> bool:
     """Whether :mod:`packgraph.ops.short_docs` runs these offsets: causal self-attention on shared offsets
-    without padded twins, of at least :data:`SHORT_DOCS_MIN_SLOTS` slots. Static: shapes, field identity and
-    capacity only. Not under torch.compile, whose tracing of the local path's recomputing backward is untested."""
+    without padded twins, of at least :data:`SHORT_DOCS_MIN_SLOTS` slots (when set). Static: shapes, field
+    identity and capacity only. Not under torch.compile, whose tracing of the local path's recomputing backward
+    is untested."""
     return (
         causal
+        and SHORT_DOCS_MIN_SLOTS is not None
         and params.cu_seqlens_q.numel() - 1 >= SHORT_DOCS_MIN_SLOTS
         and params.cu_seqlens_kv is params.cu_seqlens_q
         and params.cu_seqlens_q_padded is None
