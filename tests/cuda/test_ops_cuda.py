@@ -81,6 +81,20 @@ def assert_flash_path(q):
     assert attention_mod._torch_varlen_api() is not None, f"torch {torch.__version__} has no varlen_attn"
 
 
+# bf16 runs FA2, fp32 the reference; short_docs only applies to the plain (unpadded) layout.
+DTYPE_PAD_PATHS = pytest.mark.parametrize(
+    "dtype,pad,short_docs",
+    [
+        (torch.bfloat16, 1, False),
+        (torch.bfloat16, 8, False),
+        (torch.float32, 1, False),
+        (torch.float32, 8, False),
+        (torch.bfloat16, 1, True),
+    ],
+    ids=["bf16-flash-plain", "bf16-flash-padded8", "fp32-reference-plain", "fp32-reference-padded8", "short-docs"],
+)
+
+
 def use_short_docs(monkeypatch, q, k, params):
     """Route these offsets through packgraph.ops.short_docs (local blocks + one FA2 call on the long documents)
     although their capacity is below SHORT_DOCS_MIN_SLOTS, and check that it applies."""
@@ -174,17 +188,7 @@ def warm_up(fn, iters=3):
     torch.cuda.current_stream().wait_stream(side)
 
 
-@pytest.mark.parametrize(
-    "dtype,pad,short_docs",
-    [
-        (torch.bfloat16, 1, False),
-        (torch.bfloat16, 8, False),
-        (torch.float32, 1, False),
-        (torch.float32, 8, False),
-        (torch.bfloat16, 1, True),
-    ],
-    ids=["bf16-flash-plain", "bf16-flash-padded8", "fp32-reference-plain", "fp32-reference-padded8", "short-docs"],
-)
+@DTYPE_PAD_PATHS
 def test_graph_replay_forward_matches_eager(monkeypatch, dtype, pad, short_docs, report):
     cases = packings(30, seed=1 + pad, pad=pad)
     static = StaticParams(cases[0], pad)
@@ -279,17 +283,7 @@ def test_graph_replay_with_backward_matches_eager(monkeypatch, pad, short_docs, 
 
 
 # ------------------------------------------------------------------------------------------------ no host sync
-@pytest.mark.parametrize(
-    "dtype,pad,short_docs",
-    [
-        (torch.bfloat16, 1, False),
-        (torch.bfloat16, 8, False),
-        (torch.float32, 1, False),
-        (torch.float32, 8, False),
-        (torch.bfloat16, 1, True),
-    ],
-    ids=["bf16-flash-plain", "bf16-flash-padded8", "fp32-reference-plain", "fp32-reference-padded8", "short-docs"],
-)
+@DTYPE_PAD_PATHS
 def test_no_host_sync(monkeypatch, dtype, pad, short_docs):
     lengths = [5, 1, 0, 40, 17, 200]
     params = make_params(lengths, pad)  # host-to-device copies happen here, before the debug mode
