@@ -406,7 +406,9 @@ def varlen_attention(
     and is CUDA-graph capturable; it needs static ``max_seqlen_q`` / ``max_seqlen_kv`` (Python ints) that
     bound every real length. Offsets of more than 512 slots (ghost slots count; padded twins double them) run
     their backward in chunks of slots, 512 then fewer (:mod:`packgraph.ops.flash_chunks`): FA2 sizes a backward
-    buffer by the slot count. Everything else runs :func:`varlen_attention_reference`.
+    buffer by the slot count. With :data:`SHORT_DOCS_MIN_SLOTS` set (it is None: off), causal self-attention of
+    that many slots runs :mod:`packgraph.ops.short_docs` instead. Everything else runs
+    :func:`varlen_attention_reference`.
 
     Args:
         q: ``[Tq, Hq, D]``.
