@@ -33,12 +33,13 @@ import statistics
 import torch
 from torch import Tensor
 
+from packgraph import slot_boundary
 from packgraph.bench.attention import graph_replay_ms
 from packgraph.bench.data import batch_stream
 from packgraph.bench.machine import machine_info
 from packgraph.bench.report import write_table
 from packgraph.buckets import default_buckets
-from packgraph.ops import attention, varlen_attention
+from packgraph.ops import varlen_attention
 from packgraph.ops.attention import _ZeroDeadRowGrad
 from packgraph.params import PackedSeqParams
 
@@ -98,12 +99,12 @@ def _fwd_bwd(attend, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor):
 @contextlib.contextmanager
 def short_docs_from(slots: int | None):
     """``varlen_attention`` runs packgraph.ops.short_docs from ``slots`` slots on, inside the block."""
-    before = attention.SHORT_DOCS_MIN_SLOTS
-    attention.SHORT_DOCS_MIN_SLOTS = slots
+    before = slot_boundary.SHORT_DOCS_MIN_SLOTS
+    slot_boundary.SHORT_DOCS_MIN_SLOTS = slots
     try:
         yield
     finally:
-        attention.SHORT_DOCS_MIN_SLOTS = before
+        slot_boundary.SHORT_DOCS_MIN_SLOTS = before
 
 
 ONE_CALL, SHORT_DOCS = None, 1

@@ -186,3 +186,19 @@ def test_geometric_ladder_ends_at_top():
     assert geometric_ladder(256, 2048, 4) == (256, 1024, 2048)
     assert geometric_ladder(8, 64, 2) == (8, 16, 32, 64)
     assert geometric_ladder(256, 128, 2) == (128,)  # start past top: top alone
+
+
+def test_capacity_ladder_must_not_straddle_the_short_docs_switch(monkeypatch):
+    """With slot_boundary.SHORT_DOCS_MIN_SLOTS = m, a ladder with rungs of m or more needs a rung of m - 1;
+    below m, or with the switch off, any ladder goes."""
+    from packgraph import slot_boundary
+
+    policy = BucketPolicy((64,), (8, 64, 1024))
+    assert policy.bucket_for(10, 100).capacity == 1024  # off
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 513)
+    with pytest.raises(ValueError, match=r"none of 512.*Add a rung of 512"):
+        policy.bucket_for(10, 100)
+    assert BucketPolicy((64,), (8, 512, 1024)).bucket_for(10, 100).capacity == 512
+    assert BucketPolicy((64,), (8, 64, 256)).bucket_for(10, 100).capacity == 256  # nothing reaches 513
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)  # every call: nothing to straddle
+    assert policy.bucket_for(10, 100).capacity == 1024

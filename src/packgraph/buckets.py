@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from packgraph import slot_boundary
 from packgraph.params import DYNAMIC_FIELDS, PackedSeqParams
 
 __all__ = ["Bucket", "BucketPolicy", "default_buckets", "geometric_ladder"]
@@ -95,7 +96,8 @@ class BucketPolicy:
             num_seqs: the number of slots the batch uses (>= 0).
 
         Raises:
-            ValueError: nothing fits; the message says which ladder to extend or what to cap.
+            ValueError: nothing fits; the message says which ladder to extend or what to cap. Or the capacity
+                ladder straddles ``packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS`` (``check_capacity_ladder``).
         """
         if max_seqlen < 0 or num_seqs < 0:
             raise ValueError(f"max_seqlen and num_seqs must be >= 0, got {max_seqlen}, {num_seqs}")
@@ -105,6 +107,7 @@ class BucketPolicy:
                 f"no bucket fits max_seqlen={max_seqlen}: the largest max_seqlen rung is {self.max_seqlen}; add a "
                 f"rung >= {max_seqlen} or truncate documents to {self.max_seqlen} tokens"
             )
+        slot_boundary.check_capacity_ladder(self.capacity_ladder)
         capacity = next((v for v in self.capacity_ladder if v >= num_seqs), None)
         if capacity is None:
             raise ValueError(
@@ -116,13 +119,14 @@ class BucketPolicy:
     def bucket_of(self, params: PackedSeqParams) -> Bucket:
         """The bucket ``params`` belong in (see :meth:`apply` for where the true values come from)."""
         max_seqlen, num_seqs, _ = _true_extent(params)
-        return self.bucket_for(max_seqlen, num_seqs)
+        return self.bucket_for(max_seqlen, slot_boundary.bucket_slots(params.capacity, num_seqs))
 
     def apply(self, params: PackedSeqParams) -> PackedSeqParams:
         """Return ``params`` re-padded to their bucket: graph-safe, no host sync.
 
         * The true longest sequence and number of used slots are read from ``params.host_offsets`` (host copies,
-          no sync). Trailing zero-length slots count as ghosts and may be dropped. Without host offsets the
+          no sync). Trailing zero-length slots count as ghosts and may be dropped, but not below
+          :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` when it is set. Without host offsets the
           params' own static ``max(max_seqlen_q, max_seqlen_kv)`` and ``capacity`` are taken as the bound, so
           the capacity only grows.
         * Every ``cu_seqlens*`` tensor is resized to ``capacity + 1`` entries with device ops only: extended by
@@ -136,7 +140,7 @@ class BucketPolicy:
             ValueError: no bucket fits (see :meth:`bucket_for`).
         """
         max_seqlen, num_seqs, host = _true_extent(params)
-        bucket = self.bucket_for(max_seqlen, num_seqs)
+        bucket = self.bucket_for(max_seqlen, slot_boundary.bucket_slots(params.capacity, num_seqs))
         resized: dict[int, Tensor] = {}
         changes: dict[str, Any] = {}
         for name in DYNAMIC_FIELDS:

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from packgraph import PackedSeqParams
+from packgraph import PackedSeqParams, slot_boundary
 from packgraph.ops import attention as attention_mod
 from packgraph.ops import varlen_attention
 
@@ -23,7 +23,7 @@ T, HQ, D, MAX_SEQLEN = 2048, 8, 64, 256
 @pytest.fixture(autouse=True)
 def _one_fa2_call_on_every_slot(monkeypatch):
     """The subject is FA2's backward over all the slots, chunked or not: keep packgraph.ops.short_docs out."""
-    monkeypatch.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", None)
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", None)
 
 
 def _lengths(n_docs, seed, pad):

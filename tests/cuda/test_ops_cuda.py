@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from packgraph import PackedSeqParams
+from packgraph import PackedSeqParams, slot_boundary
 from packgraph.ops import apply_rope_thd, varlen_attention, varlen_attention_reference
 from packgraph.ops import attention as attention_mod
 
@@ -98,7 +98,7 @@ DTYPE_PAD_PATHS = pytest.mark.parametrize(
 def use_short_docs(monkeypatch, q, k, params):
     """Route these offsets through packgraph.ops.short_docs (local blocks + one FA2 call on the long documents)
     although their capacity is below SHORT_DOCS_MIN_SLOTS, and check that it applies."""
-    monkeypatch.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", 1)
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)
     assert attention_mod._short_docs_apply(q, k, params, True)
 
 

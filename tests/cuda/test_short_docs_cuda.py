@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from packgraph import PackedSeqParams
+from packgraph import PackedSeqParams, slot_boundary
 from packgraph.ops import attention as attention_mod
 from packgraph.ops import varlen_attention, varlen_attention_reference
 
@@ -53,12 +53,12 @@ def _rel(a, b):
 
 
 def _one_fa2_call(m):
-    m.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", None)
+    m.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", None)
 
 
 @pytest.fixture(autouse=True)
 def _short_docs_from_512_slots(monkeypatch):
-    monkeypatch.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", 512)
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 512)
 
 
 @pytest.mark.parametrize("hkv", [HQ, 2])

@@ -348,6 +348,21 @@ def test_training_mode_and_autocast_are_in_the_signature():
     assert graphed.captures == 3 and graphed.signatures[-1].autocast == torch.bfloat16
 
 
+def test_the_attention_kernel_switch_is_in_the_signature(monkeypatch):
+    """A graph bakes in the attention kernel that slot_boundary.SHORT_DOCS_MIN_SLOTS selects: changing it after a
+    capture selects another graph (or raises under on_mismatch="error"), never the stale one."""
+    from packgraph import slot_boundary
+
+    lin = nn.Linear(D, D)
+    graphed = capture_with(EagerRecorder(), lin, (torch.randn(4, D),))
+    strict = capture_with(EagerRecorder(), lin, (torch.randn(4, D),), on_mismatch="error")
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 513)
+    graphed(torch.randn(4, D))
+    assert graphed.captures == 2 and graphed.signatures[-1].short_docs == 513
+    with pytest.raises(GraphSignatureError, match="SHORT_DOCS_MIN_SLOTS"):
+        strict(torch.randn(4, D))
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def test_invalid_params_rejected_before_any_copy():
     block = _model()

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from packgraph import PackedSeqParams
+from packgraph import PackedSeqParams, slot_boundary
 from packgraph.ops import attention as attention_mod
 from packgraph.ops import short_docs
 from tests.ops.test_attention import fake_apis, naive_attention, qkv
@@ -75,7 +75,7 @@ def test_short_and_long_equals_the_loop(monkeypatch, version, case):
     lengths, capacity, total = CASES[case]
     max_seqlen = max(lengths, default=1)
     params = PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=total, max_seqlen=max_seqlen)
-    monkeypatch.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", 1)
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)
     calls = []
     api = attention_mod._VarlenAPI.from_function(fake_apis(calls)[version])
     base = qkv(total, 4, 2, 8, seed=3)
@@ -105,7 +105,7 @@ def test_frozen_inputs_get_no_grad(monkeypatch):
     """Only v requires grad (q and k frozen): v's grad equals the loop's, q and k get none."""
     lengths, capacity, total = CASES["mixed"]
     params = PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=total, max_seqlen=250)
-    monkeypatch.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", 1)
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)
     api = attention_mod._VarlenAPI.from_function(fake_apis([])["2.12"])
     q, k, v = qkv(total, 4, 2, 8, seed=5)
     v = v.clone().requires_grad_()
@@ -128,10 +128,10 @@ def test_used_only_where_it_applies(monkeypatch):
     )
     own_kv = plain.replace(cu_seqlens_kv=plain.cu_seqlens_kv.clone())
     q, k, v = qkv(total + 32, 4, 2, 8, seed=6)
-    monkeypatch.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", capacity + 1)
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", capacity + 1)
     attention_mod._flash_attention(q[:total], k[:total], v[:total], plain, causal=True, softmax_scale=None, api=api)
     assert calls[-1]["slots"] == capacity
-    monkeypatch.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", 1)
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)
     for params, causal, rows in ((plain, False, total), (padded, True, total + 32), (own_kv, True, total)):
         attention_mod._flash_attention(q[:rows], k[:rows], v[:rows], params, causal=causal, softmax_scale=None, api=api)
         assert calls[-1]["slots"] == attention_mod.flash_offsets(params)[0].numel() - 1
@@ -139,28 +139,44 @@ def test_used_only_where_it_applies(monkeypatch):
     assert calls[-1]["slots"] == short_docs.long_doc_slots(total)
 
 
-def test_off_by_default_because_a_slot_count_is_not_bucket_invariant(monkeypatch):
-    """By default the result does not depend on the bucket the params are padded to (bit for bit), as a graph's
-    must not. With short_docs from 512 slots it does: 200 documents run one FA2 call at their own capacity and
-    short_docs in the 512-slot bucket, and the two round the short documents differently."""
+def test_the_result_does_not_depend_on_the_bucket(monkeypatch):
+    """A batch's attention is bit for bit the same at its own params and at its bucket's, as a graphed call must
+    equal eager: by default, and with short_docs from 513 slots (one more than a rung). At 512, a batch of fewer
+    documents could land in a 512-slot bucket on the other kernel, and the policy refuses it."""
     from packgraph.buckets import default_buckets
 
     total = 1024
-    lengths = [1, 3] * 90 + [300, 200] + [2] * 18
-    true = PackedSeqParams.from_seqlens(lengths, total_tokens=total)
-    bucketed = default_buckets(total).apply(true)
-    assert true.cu_seqlens_q.numel() - 1 == 200 < 512 == bucketed.cu_seqlens_q.numel() - 1
+    policy = default_buckets(total)  # capacity rungs ..., 128, 512, 1024
     api = attention_mod._VarlenAPI.from_function(fake_apis([])["2.12"])
     q, k, v = qkv(total, 4, 2, 8, seed=8)
 
-    def both():
-        return [
-            attention_mod._flash_attention(q, k, v, p, causal=True, softmax_scale=None, api=api)
-            for p in (true, bucketed)
-        ]
+    def attend(p):
+        return attention_mod._flash_attention(q, k, v, p, causal=True, softmax_scale=None, api=api)
 
-    assert torch.equal(*both())
-    monkeypatch.setattr(attention_mod, "SHORT_DOCS_MIN_SLOTS", 512)
-    a, b = both()
-    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)  # the same attention...
-    assert not torch.equal(a, b)  # ...but not the same bits
+    few = PackedSeqParams.from_seqlens([1, 3] * 90 + [300, 200] + [2] * 18, total_tokens=total)  # 200 documents
+    many = PackedSeqParams.from_seqlens([1] * 599 + [300], total_tokens=total)  # 600
+    ghosts = PackedSeqParams.from_seqlens([1, 3] * 90 + [300, 200] + [2] * 18, capacity=1000, total_tokens=total)
+    assert torch.equal(attend(few), attend(policy.apply(few)))  # off: FA2 at 200 slots and in the 512 bucket
+
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 513)
+    for params, slots in ((few, 512), (many, 1024), (ghosts, 1024)):
+        bucketed = policy.apply(params)
+        assert bucketed.capacity == slots  # ghosts: kept past 512 so that the kernel stays short_docs
+        assert torch.equal(attend(params), attend(bucketed)), params.capacity
+
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 512)
+    with pytest.raises(ValueError, match="none of 511"):
+        policy.apply(few)
+
+
+def test_the_two_kernels_round_differently(monkeypatch):
+    """Why the choice must not move with the bucket: short_docs and one FA2 call give the same attention but not
+    the same bits (here the fake FA2 kernel and the local path's math SDPA, in float64)."""
+    params = PackedSeqParams.from_seqlens([1, 3] * 90 + [300, 200] + [2] * 18, total_tokens=1024)
+    api = attention_mod._VarlenAPI.from_function(fake_apis([])["2.12"])
+    q, k, v = qkv(1024, 4, 2, 8, seed=8)
+    one_call = attention_mod._flash_attention(q, k, v, params, causal=True, softmax_scale=None, api=api)
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)
+    short = attention_mod._flash_attention(q, k, v, params, causal=True, softmax_scale=None, api=api)
+    torch.testing.assert_close(short, one_call, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(short, one_call)

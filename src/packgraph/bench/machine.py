@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from packgraph import slot_boundary
+
 __all__ = ["default_out_dir", "machine_info"]
 
 
@@ -48,6 +50,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "triton": None,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "short_docs_min_slots": slot_boundary.SHORT_DOCS_MIN_SLOTS,
     }
     try:
         import triton

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from packgraph import slot_boundary
 from packgraph.graphs.buffers import SharedBuffers
 from packgraph.graphs.cache import CaptureGroup, GraphCache, logger
 from packgraph.graphs.entry import Entry, explained_capture_errors
@@ -220,7 +221,9 @@ class GraphedCallable:
             flags = tuple(m.training for m in self._submodules)
             # One bool when the whole module agrees (the usual case, and the readable one in error messages).
             training = flags[0] if len(set(flags)) == 1 else flags
-        return CallSignature(args_key, kwargs_key, training, autocast_state(self._device_type), frozen), dyn
+        autocast = autocast_state(self._device_type)
+        short_docs = slot_boundary.SHORT_DOCS_MIN_SLOTS
+        return CallSignature(args_key, kwargs_key, training, autocast, frozen, short_docs), dyn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, dyn = self.signature(args, kwargs)

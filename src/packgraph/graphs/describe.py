@@ -36,7 +36,7 @@ def signature_diff(captured: CallSignature, given: CallSignature) -> list[tuple[
     """``[(field, captured_value, given_value), ...]`` for every field that differs between two signatures.
 
     Field names read like code: ``args[0].shape``, ``args[1].max_seqlen_q``, ``kwargs['causal']``,
-    ``module.training``, ``autocast``.
+    ``module.training``, ``autocast``, ``slot_boundary.SHORT_DOCS_MIN_SLOTS``.
     """
     out: list[tuple[str, Any, Any]] = []
     if len(captured.args) != len(given.args):
@@ -61,6 +61,8 @@ def signature_diff(captured: CallSignature, given: CallSignature) -> list[tuple[
         out.append(("autocast", captured.autocast or "off", given.autocast or "off"))
     if captured.frozen != given.frozen:
         out.append(("frozen parameters", captured.frozen, given.frozen))
+    if captured.short_docs != given.short_docs:
+        out.append(("slot_boundary.SHORT_DOCS_MIN_SLOTS", captured.short_docs, given.short_docs))
     return out
 
 

@@ -8,7 +8,8 @@ A call ``graphed(*args, **kwargs)`` is split into
 * a **signature** (:class:`CallSignature`), hashable, that a graph is valid for: the call structure, each
   tensor's shape, dtype, device and ``requires_grad`` (plus, for inputs read in place from another graph's
   output, which output: see ``chain_of``), each PackedSeqParams' static signature and which of its fields share
-  one tensor, the non-tensor values, ``module.training`` and the autocast state.
+  one tensor, the non-tensor values, ``module.training``, the autocast state and the attention-kernel switch
+  (``packgraph.slot_boundary``).
 
 Order is fixed: positional args in order, then kwargs sorted by name, each walked depth-first in pytree order.
 :func:`rebuild_call` walks the same order to put static buffers in the place of the dynamic inputs.
@@ -63,7 +64,8 @@ class CallSignature(NamedTuple):
     """The static signature of one call. Hashable; equal signatures can share a graph.
 
     ``frozen``: indices (in module order) of the parameters that did not require grad: a graph trains exactly the
-    others, so freezing or unfreezing one after capture selects another graph.
+    others, so freezing or unfreezing one after capture selects another graph. ``short_docs``:
+    ``packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS`` at the call, which selects the attention kernel baked in.
     """
 
     args: tuple
@@ -71,6 +73,7 @@ class CallSignature(NamedTuple):
     training: bool | None
     autocast: Any
     frozen: tuple[int, ...] = ()
+    short_docs: int | None = None
 
 
 class TensorKey(NamedTuple):

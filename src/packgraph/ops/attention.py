@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from packgraph import slot_boundary
 from packgraph.ops.flash_chunks import SLOTS_PER_BACKWARD, flash_attention_slot_chunks, gqa_max_seqlen_q
 from packgraph.ops.short_docs import long_doc_slots, short_and_long_attention
 from packgraph.params import PackedSeqParams, PackedSeqParamsError, slot_of_rows
@@ -36,11 +37,6 @@ __all__ = ["varlen_attention", "varlen_attention_reference", "row_layout", "RowL
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 _MIN_TORCH_FOR_FLASH = "2.10"
-# From this many slots (ghosts count) causal self-attention runs packgraph.ops.short_docs, whose cost does not
-# grow with the slot count; None: never. Off by default because a slot count is not bucket-invariant: a batch of
-# 300 documents runs one FA2 call eagerly and short_docs in a 512-slot bucket, and the two kernels round short
-# documents differently, so a graphed call would differ from eager (docs/buckets.md, last section).
-SHORT_DOCS_MIN_SLOTS: int | None = None
 
 
 class RowLayout(NamedTuple):
@@ -367,13 +363,12 @@ def _flash_attention(
 
 def _short_docs_apply(q: Tensor, k: Tensor, params: PackedSeqParams, causal: bool) -> bool:
     """Whether :mod:`packgraph.ops.short_docs` runs these offsets: causal self-attention on shared offsets
-    without padded twins, of at least :data:`SHORT_DOCS_MIN_SLOTS` slots (when set). Static: shapes, field
-    identity and capacity only. Not under torch.compile, whose tracing of the local path's recomputing backward
-    is untested."""
+    without padded twins, of at least :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` slots (when set).
+    Static: shapes, field identity and capacity only. Not under torch.compile, whose tracing of the local path's
+    recomputing backward is untested."""
     return (
         causal
-        and SHORT_DOCS_MIN_SLOTS is not None
-        and params.cu_seqlens_q.numel() - 1 >= SHORT_DOCS_MIN_SLOTS
+        and slot_boundary.short_docs_for(params.cu_seqlens_q.numel() - 1)
         and params.cu_seqlens_kv is params.cu_seqlens_q
         and params.cu_seqlens_q_padded is None
         and params.cu_seqlens_kv_padded is None
@@ -406,8 +401,8 @@ def varlen_attention(
     and is CUDA-graph capturable; it needs static ``max_seqlen_q`` / ``max_seqlen_kv`` (Python ints) that
     bound every real length. Offsets of more than 512 slots (ghost slots count; padded twins double them) run
     their backward in chunks of slots, 512 then fewer (:mod:`packgraph.ops.flash_chunks`): FA2 sizes a backward
-    buffer by the slot count. With :data:`SHORT_DOCS_MIN_SLOTS` set (it is None: off), causal self-attention of
-    that many slots runs :mod:`packgraph.ops.short_docs` instead. Everything else runs
+    buffer by the slot count. With :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` set (it is None: off),
+    causal self-attention of that many slots runs :mod:`packgraph.ops.short_docs` instead. Everything else runs
     :func:`varlen_attention_reference`.
 
     Args:
