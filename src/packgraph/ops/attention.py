@@ -322,7 +322,6 @@ def _flash_attention(
     rows_q, rows_k = _row_layouts(q, k, params)
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if _short_docs_apply(q, k, params, causal):
-        rows = rows_q
         run = flash_attention_slot_chunks if long_doc_slots(q.shape[0]) > SLOTS_PER_BACKWARD and grads else api
 
         def flash(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -> Tensor:
@@ -336,9 +335,9 @@ def _flash_attention(
             k,
             v,
             params.cu_seqlens_q,
-            rows.slot,
-            rows.length,
-            rows.live,
+            rows_q.slot,
+            rows_q.length,
+            rows_q.live,
             scale=scale,
             flash=flash,
             zero_dead_grad=_ZeroDeadRowGrad.apply,
