@@ -18,6 +18,9 @@ Contract (that of ``varlen_attention``, for what it is used on):
 * each row takes the output of the path its document belongs to, by ``where``; dead rows come out as zeros;
 * each path's input grads are zeroed outside its own rows (``_ZeroDeadRowGrad``), so the sum autograd forms of
   the two is each row's own gradient, exactly (the other term is an exact zero);
+* unlike one FA2 call, the local path reads every row of a block and of the one before, dead rows too: their
+  q/k/v must be finite (a NaN there reaches the short documents beside it through the mask's ``-inf``). They are
+  in a model whose dead rows hold real tokens, or the zeros an earlier attention layer writes there;
 * graph-safe: both paths have fixed shapes (``T``, :data:`BLOCK`, the long-document bound) and no host read;
 * memory: the local path keeps nothing of its own for the backward but its bool mask (``T * 2 * BLOCK`` bytes);
   its backward recomputes its forward (cheap at this size) from the q/k/v the FA2 call keeps anyway.
