@@ -189,3 +189,18 @@ def test_container_structure_and_leaves_are_diffed():
     assert [f for f, _, _ in signature_diff(a, b)] == ["args[0].structure"]
     assert [f for f, _, _ in signature_diff(a, c)] == ["args[0].leaf[0].dtype", "args[0].leaf[1]"]
     assert signature_diff(a, c)[1][1:] == ("int 1", "int 2")
+
+
+def test_preparer_rebuckets_when_the_short_docs_switch_changes(monkeypatch):
+    """A cached bucketing is not reused across a change of slot_boundary.SHORT_DOCS_MIN_SLOTS: the bucket of
+    params with ghost slots depends on it (BucketPolicy.apply keeps them from the switch on)."""
+    from packgraph import slot_boundary
+    from packgraph.buckets import default_buckets
+
+    prepare = ParamsPreparer(buckets=default_buckets(1024))
+    params = PackedSeqParams.from_seqlens([3] * 200, capacity=1000, total_tokens=1024)
+    assert prepare(params).params.capacity == 512
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 513)
+    assert prepare(params).params.capacity == 1024
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", None)
+    assert prepare(params).params.capacity == 512

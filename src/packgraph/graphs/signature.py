@@ -32,6 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from packgraph import slot_boundary
 from packgraph.params import (
     DYNAMIC_FIELDS,
     GroupIdentity,
@@ -264,10 +265,15 @@ class ParamsPreparer:
         self.keep_mamba_fields = keep_mamba_fields
         self.cache_size = cache_size
         self._cache: OrderedDict[int, PreparedParams] = OrderedDict()
+        self._short_docs = slot_boundary.SHORT_DOCS_MIN_SLOTS
 
     def __call__(self, params: Any) -> PreparedParams:
         """``params``: a :class:`~packgraph.params.PackedSeqParams` or an instance of a registered foreign class
         (converted at the boundary, tensors shared: no copy, no sync)."""
+        if self._short_docs != slot_boundary.SHORT_DOCS_MIN_SLOTS:
+            # The bucket a params object maps to depends on the switch (BucketPolicy.apply keeps ghost slots).
+            self._cache.clear()
+            self._short_docs = slot_boundary.SHORT_DOCS_MIN_SLOTS
         prepared = self._cache.get(id(params))
         if prepared is not None and prepared.is_current_for(params):
             return prepared
