@@ -19,6 +19,7 @@ Contract (both paths):
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from packgraph import slot_boundary
 from packgraph.ops.flash_chunks import SLOTS_PER_BACKWARD, flash_attention_slot_chunks, gqa_max_seqlen_q
-from packgraph.ops.short_docs import long_doc_slots, short_and_long_attention
+from packgraph.ops.short_docs import short_and_long_attention
 from packgraph.params import PackedSeqParams, PackedSeqParamsError, slot_of_rows
 
 __all__ = ["varlen_attention", "varlen_attention_reference", "row_layout", "RowLayout", "flash_offsets"]
@@ -322,13 +323,9 @@ def _flash_attention(
     rows_q, rows_k = _row_layouts(q, k, params)
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if _short_docs_apply(q, k, params, causal):
-        run = flash_attention_slot_chunks if long_doc_slots(q.shape[0]) > SLOTS_PER_BACKWARD and grads else api
-
-        def flash(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -> Tensor:
-            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-            max_q, max_k = params.max_seqlen_q, params.max_seqlen_kv
-            return run(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, softmax_scale=softmax_scale)
-
+        flash = functools.partial(
+            _run_flash, params=params, causal=causal, softmax_scale=softmax_scale, api=api, grads=grads
+        )
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         return short_and_long_attention(
             q,
@@ -342,22 +339,38 @@ def _flash_attention(
             flash=flash,
             zero_dead_grad=_ZeroDeadRowGrad.apply,
         )
-    cu_q, cu_k = flash_offsets(params)
-    many_slots = cu_q.numel() - 1 > SLOTS_PER_BACKWARD
     if q.requires_grad:
         q = _ZeroDeadRowGrad.apply(q, rows_q.live)
     if k.requires_grad:
         k = _ZeroDeadRowGrad.apply(k, rows_k.live)
     if v.requires_grad:
         v = _ZeroDeadRowGrad.apply(v, rows_k.live)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    # Many slots (ghosts included) would size FA2's backward dq accumulator by the slot count: split it.
-    run = flash_attention_slot_chunks if many_slots and grads else api
-    out = run(
-        q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal=causal, softmax_scale=softmax_scale
+    out = _run_flash(
+        q, k, v, *flash_offsets(params), params=params, causal=causal, softmax_scale=softmax_scale, api=api, grads=grads
     )
     # The kernel leaves dead rows unwritten (garbage, possibly NaN): select zeros, don't multiply.
     return torch.where(rows_q.live[:, None, None], out, 0)
+
+
+def _run_flash(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    *,
+    params: PackedSeqParams,
+    causal: bool,
+    softmax_scale: float | None,
+    api: _VarlenAPI,
+    grads: bool,
+) -> Tensor:
+    """One FA2 varlen call on offsets ``cu_q``/``cu_k`` at ``params``' max_seqlen; dead rows left unwritten."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # Many slots (ghosts included) would size FA2's backward dq accumulator by the slot count: split it.
+    run = flash_attention_slot_chunks if cu_q.numel() - 1 > SLOTS_PER_BACKWARD and grads else api
+    max_q, max_k = params.max_seqlen_q, params.max_seqlen_kv
+    return run(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=softmax_scale)
 
 
 def _short_docs_apply(q: Tensor, k: Tensor, params: PackedSeqParams, causal: bool) -> bool:
