@@ -13,7 +13,7 @@ import torch
 
 from packgraph import PackedSeqParams, slot_boundary
 from packgraph.ops import attention as attention_mod
-from packgraph.ops import varlen_attention, varlen_attention_reference
+from packgraph.ops import short_docs, varlen_attention, varlen_attention_reference
 
 DEVICE = "cuda"
 T, HQ, D, CAPACITY, MAX_SEQLEN = 2048, 8, 64, 2048, 2048
@@ -137,3 +137,20 @@ def test_replays_in_a_graph_on_new_offsets_bitwise_equal_eager():
     for name, a, b in zip(("out", "dq", "dk", "dv"), outs, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     del graph
+
+
+@pytest.mark.parametrize("hkv", [HQ, 2])
+def test_local_path_grads_are_exact_zeros_off_the_short_documents(hkv):
+    """The local path's grads need no mask: with its output grad zero outside the short documents' rows (as the
+    caller's select makes it), its q/k/v grads there are exact zeros, through the GPU's SDPA kernel too."""
+    params = _params(_lengths("corpus", 7))
+    q, k, v, grad = _inputs(hkv, 8)
+    rows = attention_mod.row_layout(params, "q", T)
+    short = rows.live & (rows.length <= short_docs.BLOCK)
+    assert 0 < int(short.sum()) < int(rows.live.sum())
+    mask = short_docs.local_mask(rows.slot, q.dtype)
+    out = short_docs._LocalRecomputed.apply(q, k, v, mask, D**-0.5)
+    got = torch.autograd.grad(out, (q, k, v), torch.where(short[:, None, None], grad, 0))
+    for name, g in zip("qkv", got, strict=True):
+        assert torch.equal(g[~short], torch.zeros_like(g[~short])), name
+        assert g[short].abs().sum() > 0, name

@@ -180,3 +180,23 @@ def test_the_two_kernels_round_differently(monkeypatch):
     short = attention_mod._flash_attention(q, k, v, params, causal=True, softmax_scale=None, api=api)
     torch.testing.assert_close(short, one_call, rtol=1e-12, atol=1e-12)
     assert not torch.equal(short, one_call)
+
+
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_local_path_grads_are_exact_zeros_off_the_short_documents(hkv):
+    """The local path needs no grad mask: with its output grad zero outside the short documents' rows (the
+    caller's select), its q/k/v grads on the long documents' rows and on the tail are exact zeros, whatever
+    finite values those rows hold (here 1e3 times larger)."""
+    lengths, capacity, total = CASES["mixed"]
+    params = PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=total, max_seqlen=250)
+    rows = attention_mod.row_layout(params, "q", total)
+    short = rows.live & (rows.length <= B)
+    q, k, v = (torch.where(short[:, None, None], x, 1e3 * x).requires_grad_() for x in qkv(total, 4, hkv, 8, seed=9))
+    mask = short_docs.local_mask(rows.slot, q.dtype)
+    out = short_docs._LocalRecomputed.apply(q, k, v, mask, 0.3)
+    assert torch.equal(out, short_docs.local_block_attention(q, k, v, mask, scale=0.3))
+    grad = torch.where(short[:, None, None], torch.randn(total, 4, 8, dtype=F64), 0)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    for name, g in zip("qkv", got, strict=True):
+        assert torch.equal(g[~short], torch.zeros_like(g[~short])), name
+        assert g[short].abs().sum() > 0, name
