@@ -20,6 +20,7 @@ ladders = st.lists(st.integers(1, 600), min_size=1, max_size=6, unique=True).map
 @given(seqlens=ladders, caps=ladders, max_seqlen=st.integers(0, 700), num_seqs=st.integers(0, 700))
 def test_bucket_for_is_smallest_fitting_rung(seqlens, caps, max_seqlen, num_seqs):
     policy = BucketPolicy(seqlens, caps)
+    caps = policy.capacity_ladder  # with short_docs' boundary rung, where the switch adds one
     fitting = [Bucket(s, c) for s in seqlens for c in caps if s >= max_seqlen and c >= num_seqs]
     if not fitting:
         with pytest.raises(ValueError, match="add a"):
@@ -193,12 +194,17 @@ def test_capacity_ladder_must_not_straddle_the_short_docs_switch(monkeypatch):
     below m, or with the switch off, any ladder goes."""
     from packgraph import slot_boundary
 
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", None)
     policy = BucketPolicy((64,), (8, 64, 1024))
     assert policy.bucket_for(10, 100).capacity == 1024  # off
     monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 513)
-    with pytest.raises(ValueError, match=r"none of 512.*Add a rung of 512"):
-        policy.bucket_for(10, 100)
+    with pytest.raises(ValueError, match=r"none of 512.*Build the BucketPolicy after"):
+        policy.bucket_for(10, 100)  # built before the switch was set
     assert BucketPolicy((64,), (8, 512, 1024)).bucket_for(10, 100).capacity == 512
+    built_after = BucketPolicy((64,), (8, 64, 1024))  # the policy adds the rung itself
+    assert built_after.capacity_ladder == (8, 64, 512, 1024)
+    assert built_after.bucket_for(10, 100).capacity == 512 and built_after.bucket_for(10, 513).capacity == 1024
+    assert "(8, 64, 512, 1024)" in built_after.describe()
     assert BucketPolicy((64,), (8, 64, 256)).bucket_for(10, 100).capacity == 256  # nothing reaches 513
     monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)  # every call: nothing to straddle
     assert policy.bucket_for(10, 100).capacity == 1024

@@ -44,6 +44,9 @@ class BucketPolicy:
         capacity_ladder: allowed capacities (``cu_seqlens`` slots), strictly increasing positive ints.
 
     The number of buckets (hence of graphs a training run may capture) is the product of the ladder lengths.
+    With :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` set to ``m`` at construction, a capacity ladder
+    with rungs of ``m`` or more gets a rung of ``m - 1`` when it lacks one (:func:`~packgraph.slot_boundary.
+    with_boundary_rung`), so that no bucket holds batches on both sides of the attention kernel's switch.
     """
 
     max_seqlen_ladder: tuple[int, ...]
@@ -60,6 +63,8 @@ class BucketPolicy:
                 raise ValueError(f"BucketPolicy.{name} must be positive, got {ladder}")
             if any(b <= a for a, b in zip(ladder, ladder[1:], strict=False)):
                 raise ValueError(f"BucketPolicy.{name} must be sorted and unique (strictly increasing), got {ladder}")
+            if name == "capacity_ladder":
+                ladder = slot_boundary.with_boundary_rung(ladder)
             object.__setattr__(self, name, ladder)
 
     @property

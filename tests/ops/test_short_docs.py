@@ -141,12 +141,11 @@ def test_used_only_where_it_applies(monkeypatch):
 
 def test_the_result_does_not_depend_on_the_bucket(monkeypatch):
     """A batch's attention is bit for bit the same at its own params and at its bucket's, as a graphed call must
-    equal eager: by default, and with short_docs from 513 slots (one more than a rung). At 512, a batch of fewer
-    documents could land in a 512-slot bucket on the other kernel, and the policy refuses it."""
+    equal eager: off, by default (short_docs from 129 slots) and from 513 (each one more than a rung). At 512, a
+    batch of fewer documents could land in a 512-slot bucket on the other kernel, and the policy refuses it."""
     from packgraph.buckets import default_buckets
 
     total = 1024
-    policy = default_buckets(total)  # capacity rungs ..., 128, 512, 1024
     api = attention_mod._VarlenAPI.from_function(fake_apis([])["2.12"])
     q, k, v = qkv(total, 4, 2, 8, seed=8)
 
@@ -156,14 +155,17 @@ def test_the_result_does_not_depend_on_the_bucket(monkeypatch):
     few = PackedSeqParams.from_seqlens([1, 3] * 90 + [300, 200] + [2] * 18, total_tokens=total)  # 200 documents
     many = PackedSeqParams.from_seqlens([1] * 599 + [300], total_tokens=total)  # 600
     ghosts = PackedSeqParams.from_seqlens([1, 3] * 90 + [300, 200] + [2] * 18, capacity=1000, total_tokens=total)
-    assert torch.equal(attend(few), attend(policy.apply(few)))  # off: FA2 at 200 slots and in the 512 bucket
+    small = PackedSeqParams.from_seqlens([3] * 100 + [300], total_tokens=total)  # 101: FA2 at its own and at 128
+    # ghosts: from 513, kept past 512 so that the kernel stays short_docs; at 129 its 200 used slots keep it
+    for m, slots in ((None, (512, 1024, 512, 128)), (129, (512, 1024, 512, 128)), (513, (512, 1024, 1024, 128))):
+        monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", m)
+        policy = default_buckets(total)  # capacity rungs ..., 128, 512, 1024
+        for params, want in zip((few, many, ghosts, small), slots, strict=True):
+            bucketed = policy.apply(params)
+            assert bucketed.capacity == want, (m, params.capacity)
+            assert torch.equal(attend(params), attend(bucketed)), (m, params.capacity)
 
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 513)
-    for params, slots in ((few, 512), (many, 1024), (ghosts, 1024)):
-        bucketed = policy.apply(params)
-        assert bucketed.capacity == slots  # ghosts: kept past 512 so that the kernel stays short_docs
-        assert torch.equal(attend(params), attend(bucketed)), params.capacity
-
+    policy = default_buckets(total)
     monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 512)
     with pytest.raises(ValueError, match="none of 511"):
         policy.apply(few)
@@ -175,6 +177,7 @@ def test_the_two_kernels_round_differently(monkeypatch):
     params = PackedSeqParams.from_seqlens([1, 3] * 90 + [300, 200] + [2] * 18, total_tokens=1024)
     api = attention_mod._VarlenAPI.from_function(fake_apis([])["2.12"])
     q, k, v = qkv(1024, 4, 2, 8, seed=8)
+    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", None)
     one_call = attention_mod._flash_attention(q, k, v, params, causal=True, softmax_scale=None, api=api)
     monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)
     short = attention_mod._flash_attention(q, k, v, params, causal=True, softmax_scale=None, api=api)

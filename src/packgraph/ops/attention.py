@@ -375,7 +375,7 @@ def _run_flash(
 
 def _short_docs_apply(q: Tensor, k: Tensor, params: PackedSeqParams, causal: bool) -> bool:
     """Whether :mod:`packgraph.ops.short_docs` runs these offsets: causal self-attention on shared offsets
-    without padded twins, of at least :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` slots (when set).
+    without padded twins, of at least :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` slots (None: never).
     Static: shapes, field identity and capacity only. Not under torch.compile, whose tracing of the local path's
     recomputing backward is untested."""
     return (
@@ -413,8 +413,9 @@ def varlen_attention(
     and is CUDA-graph capturable; it needs static ``max_seqlen_q`` / ``max_seqlen_kv`` (Python ints) that
     bound every real length. Offsets of more than 512 slots (ghost slots count; padded twins double them) run
     their backward in chunks of slots, 512 then fewer (:mod:`packgraph.ops.flash_chunks`): FA2 sizes a backward
-    buffer by the slot count. With :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` set (it is None: off),
-    causal self-attention of that many slots runs :mod:`packgraph.ops.short_docs` instead. Everything else runs
+    buffer by the slot count. Causal self-attention on offsets of at least
+    :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` slots (129 by default) runs :mod:`packgraph.ops.short_docs`
+    instead, whose cost does not grow with the slot count. Everything else runs
     :func:`varlen_attention_reference`.
 
     Args:
