@@ -14,7 +14,7 @@ are mostly many short documents beside one long one. For each distinct bucket of
 * ``short_docs``: :mod:`packgraph.ops.short_docs` at the bucket (short documents in local blocks, long ones in
   one FA2 call of few slots), and ``eager_short_docs`` at the true shape.
 
-"One FA2 call" is ``varlen_attention`` with ``SHORT_DOCS_MIN_SLOTS`` unset (its default), and ``short_docs`` the
+"One FA2 call" is ``varlen_attention`` with ``SHORT_DOCS_MIN_SLOTS`` set to None (off), and ``short_docs`` the
 same with it at 1.
 Each method's backward peak (allocated above its inputs, one eager call) is reported too.
 

@@ -1,5 +1,6 @@
 """GPU checks of packgraph.ops.short_docs at the bucket tour's scale: T=2048, 2048 slots, one long document among
-hundreds of short ones (and corpus-like mixes), with ``SHORT_DOCS_MIN_SLOTS`` at 512 (it is off by default).
+hundreds of short ones (and corpus-like mixes), with ``SHORT_DOCS_MIN_SLOTS`` at 512 (129 by default: these
+buckets run it either way).
 
 Against the float64 reference and against one FA2 call on every slot (the path it replaces): the same outputs and
 grads, no NaN, dead rows zero; a lower backward peak; and a CUDA-graph replay on new offsets, with no host sync,
