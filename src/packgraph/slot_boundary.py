@@ -67,10 +67,11 @@ def with_boundary_rung(ladder: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def check_capacity_ladder(ladder: tuple[int, ...]) -> None:
-    """Raise ValueError if a bucket of ``ladder`` would take batches on both sides of ``SHORT_DOCS_MIN_SLOTS``."""
-    m = SHORT_DOCS_MIN_SLOTS
-    if m is None or m <= 1 or ladder[-1] < m or m - 1 in ladder:
+    """Raise ValueError if a bucket of ``ladder`` would take batches on both sides of ``SHORT_DOCS_MIN_SLOTS``:
+    if :func:`with_boundary_rung` would add a rung to it."""
+    if with_boundary_rung(ladder) == ladder:
         return
+    m = SHORT_DOCS_MIN_SLOTS
     raise ValueError(
         f"capacity ladder {ladder} has rungs of {m} slots or more but none of {m - 1}: with "
         f"packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS = {m}, a batch of fewer than {m} documents would run "

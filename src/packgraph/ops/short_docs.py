@@ -137,8 +137,8 @@ def local_block_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, scal
     ``[T, Hq, D]`` from q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` and :func:`local_mask` of the rows' slots.
 
     Exact attention for every row whose document has at most ``BLOCK`` rows; the other rows get a finite value
-    (a row always sees itself) that the caller discards. Not differentiable through its windows: use
-    :class:`_LocalRecomputed` for grads.
+    (a row always sees itself) that the caller discards. For grads use :class:`_LocalRecomputed`: autograd's
+    backward of its overlapping windows would be a scatter-add.
     """
     qb, kw, vw = _block_views(q, k, v, mask.shape[0])
     return _from_blocks(F.scaled_dot_product_attention(qb, kw, vw, attn_mask=mask, scale=scale), q.shape[0])
