@@ -46,3 +46,55 @@ def test_host_offsets_survive_moves_and_views():
 
     bucketed = BucketPolicy((8, 16), (2, 8)).apply(p)
     assert bucketed.current_host_offsets()["cu_seqlens_q"] == tuple(bucketed.cu_seqlens_q.tolist())
+
+
+# Issue #31 item 4: a write that keeps the version counter. The params hold one document of 20 rows; the write
+# makes it five (0, 20, 25, 30, 35, 40): four more documents, 20 more rows, in slots the host copies call ghosts.
+_WRITTEN = [0, 20, 25, 30, 35, 40, 40, 40, 40]
+
+
+def _write_through_numpy(t):
+    t.numpy()[:] = _WRITTEN
+
+
+def _write_through_data(t):
+    t.data.copy_(torch.tensor(_WRITTEN, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("write", [_write_through_numpy, _write_through_data], ids=["numpy", "data"])
+def test_a_write_that_keeps_the_version_makes_cpu_host_offsets_stale(write):
+    from packgraph.buckets import BucketPolicy
+    from packgraph.ops import varlen_attention
+
+    p = PackedSeqParams.from_seqlens([20], capacity=8, total_tokens=40)
+    version = p.cu_seqlens_q._version
+    write(p.cu_seqlens_q)  # cu_seqlens_kv is the same tensor
+    assert p.cu_seqlens_q._version == version  # the counter cannot tell
+    assert p.current_host_offsets() is None  # the values can
+    with pytest.raises(PackedSeqParamsError) as e:
+        p.validate()  # five valid documents, but a GPU would not have seen them: say so
+    assert (e.value.field, e.value.rule) == ("cu_seqlens_q", "host_offsets disagree with the tensor")
+    assert "offset 2: host 20, tensor 25" in str(e.value) and "\n" not in str(e.value)
+    bucketed = BucketPolicy((20, 40), (1, 8)).apply(p)
+    assert bucketed.capacity == 8 and bucketed.cu_seqlens_q.tolist() == _WRITTEN  # no document sliced away
+    q = torch.randn(40, 2, 4, dtype=torch.float64)
+    ref = PackedSeqParams.from_seqlens([20, 5, 5, 5, 5], capacity=8, total_tokens=40)
+    out = varlen_attention(q, q, q, bucketed)
+    torch.testing.assert_close(out, varlen_attention(q, q, q, ref))
+    assert bool(out[20:].ne(0).any())  # the four written documents' rows are not zeros
+
+
+def test_a_write_that_keeps_the_version_and_breaks_a_rule_is_rejected():
+    p = PackedSeqParams.from_seqlens([4, 4], total_tokens=8)
+    p.cu_seqlens_q.numpy()[:] = [0, 1, 8]  # 7 rows in one document; max_seqlen is 4
+    with pytest.raises(PackedSeqParamsError) as e:
+        p.validate()
+    assert (e.value.field, e.value.rule) == ("max_seqlen_q", "below a real sequence length")
+
+
+def test_cpu_host_offsets_are_compared_once_per_field_build():
+    p = PackedSeqParams.from_seqlens(list(range(1, 65)), capacity=128)
+    assert p.current_host_offsets() is p.host_offsets
+    built = dict(p.host_offsets._cpu_values)
+    assert p.current_host_offsets() is p.host_offsets
+    assert all(p.host_offsets._cpu_values[k][1] is v[1] for k, v in built.items())  # reused, not rebuilt

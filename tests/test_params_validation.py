@@ -66,11 +66,15 @@ def test_validate_capacity_respected():
 
 def test_validate_uses_host_offsets_without_reading_tensors():
     p = PackedSeqParams.from_seqlens([3, 4], capacity=4)
-    # Host offsets describe the batch; a corrupted tensor is not read (no sync), the host values are.
+    # Off the CPU, host offsets describe the batch; the tensor is not read (that would sync), the host values are.
     bad_host = dict(p.host_offsets, cu_seqlens_q=(0, 5, 4, 4, 4))
     with pytest.raises(PackedSeqParamsError) as e:
-        p.replace(host_offsets=bad_host).validate()
+        p.to("meta").replace(host_offsets=bad_host).validate()
     assert e.value.rule == "offsets must be non-decreasing"
+    # On the CPU comparing them with the tensor is free: copies that disagree with it are refused as such.
+    with pytest.raises(PackedSeqParamsError) as e:
+        p.replace(host_offsets=bad_host).validate()
+    assert (e.value.field, e.value.rule) == ("cu_seqlens_q", "host_offsets disagree with the tensor")
 
 
 def test_validate_device_only_params_checks_structure_only_unless_sync():

@@ -130,10 +130,13 @@ class BucketPolicy:
         """Return ``params`` re-padded to their bucket: graph-safe, no host sync.
 
         * The true longest sequence and number of used slots are read from ``params.host_offsets`` (host copies,
-          no sync). Trailing zero-length slots count as ghosts and may be dropped, but not below
-          :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` when it is set. Without host offsets the
-          params' own static ``max(max_seqlen_q, max_seqlen_kv)`` and ``capacity`` are taken as the bound, so
-          the capacity only grows.
+          no sync) when they are current (:meth:`~packgraph.params.PackedSeqParams.current_host_offsets`: on the
+          CPU that includes their values). Trailing zero-length slots count as ghosts and may be dropped, but not
+          below :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` when it is set. Without current host offsets
+          the params' own static ``max(max_seqlen_q, max_seqlen_kv)`` and ``capacity`` are taken as the bound, so
+          the capacity only grows. On a GPU, offsets written behind the version counter (``.data``, DLPack) leave
+          the old copies current, and slots they fill past the old last document would be sliced away: rebuild the
+          params after such a write, or drop their host offsets.
         * Every ``cu_seqlens*`` tensor is resized to ``capacity + 1`` entries with device ops only: extended by
           repeating its last offset (ghost slots) or sliced (the result may share storage with the input).
           Tensors shared between fields stay shared.

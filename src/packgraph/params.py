@@ -73,7 +73,8 @@ class PackedSeqParams:
         seq_idx: optional int32 ``[1, total_tokens]`` document index of each row (Mamba). Dynamic.
         host_offsets: host copies of the dynamic fields' values, when known (``from_seqlens``, the packer).
             They let ``validate`` check values with no device sync. Not a Megatron field; not in the signature.
-            Copies made stale by an in-place write are not trusted (:meth:`current_host_offsets`).
+            Copies made stale by a write are not trusted (:meth:`current_host_offsets`); on a GPU that needs the
+            write to bump the tensor's version (see there).
     """
 
     qkv_format: str = "thd"
@@ -97,16 +98,25 @@ class PackedSeqParams:
     def current_host_offsets(self) -> Mapping[str, tuple[int, ...]] | None:
         """``host_offsets`` if they still describe every tensor field they cover, else None (the params then count
         as device-only). A field assigned directly (not through :meth:`replace`), an in-place write, or an inference
-        tensor makes them stale (:class:`HostOffsets`)."""
+        tensor makes them stale (:class:`HostOffsets`).
+
+        On the CPU the copies are also compared with the tensors' values (one ``torch.equal`` per field), so a write
+        that keeps the version counter (through ``.numpy()`` or ``.data``) makes them stale as well. On a GPU that
+        comparison would be a sync: a write through ``.data``, DLPack or ``__cuda_array_interface__`` goes unseen and
+        the old copies stay trusted. After such a write rebuild the params (``from_seqlens``, or :meth:`replace` with
+        the tensors), or call ``replace(host_offsets=None)`` and validate with ``sync=True``.
+        """
         host = self.host_offsets
         if host is None:
             return None
+        checked = set()
         for name, offs in host.items():
             t = getattr(self, name, None)
-            if not isinstance(t, Tensor):
+            if not isinstance(t, Tensor) or (id(t), id(offs)) in checked:  # q and kv often share both
                 continue
             if len(offs) != t.numel() or not host.describes(name, t):
                 return None
+            checked.add((id(t), id(offs)))
         return host
 
     # ------------------------------------------------------------------ construction
@@ -333,9 +343,13 @@ class PackedSeqParams:
 
         Structure (dtype int32, 1-D, one device, q/kv capacity, ``qkv_format``, static ints) is always
         checked. Values (start at 0, non-decreasing, within ``total_tokens``, ``max_seqlen`` >= every real
-        length, padded >= unpadded per sequence) are checked from ``host_offsets`` when known (no sync), from
-        the tensors directly when they are on the CPU, and with **one** device-to-host read when ``sync=True``.
-        Device-only params with ``sync=False`` get the structural checks only.
+        length, padded >= unpadded per sequence) are checked from ``host_offsets`` when they are current
+        (:meth:`current_host_offsets`; no sync), from the tensors directly when they are on the CPU, and with
+        **one** device-to-host read when ``sync=True``. Device-only params with ``sync=False`` get the structural
+        checks only. Current host offsets are read even with ``sync=True``: on a GPU, drop them
+        (``replace(host_offsets=None)``) after writing the offsets behind the version counter. On the CPU such a
+        write (through ``.numpy()`` or ``.data``) is an error: host offsets that disagree with their unchanged
+        tensor are what the same write on a GPU would leave unseen.
 
         Args:
             sync: allow one device-to-host copy to check device-only values.
@@ -345,7 +359,30 @@ class PackedSeqParams:
             PackedSeqParamsError: naming the field and the broken rule.
         """
         params_validation.validate(self, sync=sync, capacity=capacity)
+        if self.host_offsets is not None and self.current_host_offsets() is None:
+            self._check_not_written_behind_version()
         return self
+
+    def _check_not_written_behind_version(self) -> None:
+        host = self.host_offsets
+        if not isinstance(host, HostOffsets):
+            return
+        for name, offs in host.items():
+            t = getattr(self, name, None)
+            if isinstance(t, Tensor) and host.written_behind_version(name, t):
+                values = t.tolist()
+                slot = next((i for i, (a, b) in enumerate(zip(offs, values, strict=False)) if a != b), len(offs))
+                shown = (
+                    f"offset {slot}: host {offs[slot]}, tensor {values[slot]}"
+                    if slot < min(len(offs), len(values))
+                    else f"{len(offs)} host offsets, {len(values)} in the tensor"
+                )
+                raise PackedSeqParamsError(
+                    name,
+                    "host_offsets disagree with the tensor",
+                    f"{shown}; it was written without bumping its version (.numpy(), .data), which a GPU would not "
+                    "see: write through the tensor (copy_), rebuild the params, or replace(host_offsets=None)",
+                )
 
     def assert_valid_async(self) -> None:
         """Debug-mode value checks on the device with ``torch._assert_async``: graph-safe and sync-free.
