@@ -1,5 +1,9 @@
 """Checkpoints and resume, on CPU with the tiny preset: bitwise continuation, refusal of foreign, crafted and
-mismatched checkpoints, and checkpoints that are data only."""
+mismatched checkpoints, checkpoints that are data only, and saves that fail midway."""
+
+import io
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +97,40 @@ def test_checkpoint_of_a_config_with_a_path_out_dir_loads_as_data_and_resumes(tm
     assert isinstance(ckpt["rng"]["python"], list)  # the Python RNG state as plain lists
     resumed = train(tiny_cfg(tmp_path, "r", steps=4, resume=str(tmp_path / "p" / "checkpoint-000002.pt")), echo=None)
     assert resumed.losses == full.losses[2:]
+
+
+# ---------------------------------------------------------------------------------------------- atomic writes
+def _save_half_then_fail(real_save, calls, fail_at):
+    """A torch.save that, at call ``fail_at``, writes half of the file and raises (a full disk, or a kill mid-save)."""
+
+    def save(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) != fail_at:
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        half = buffer.getvalue()[: len(buffer.getvalue()) // 2]
+        if isinstance(f, (str, os.PathLike)):
+            Path(f).write_bytes(half)
+        else:
+            f.write(half)
+        raise OSError(28, "No space left on device")
+
+    return save
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temp_file(tmp_path, monkeypatch):
+    calls = []
+    # Saves per step with checkpoint_every=1: checkpoint.pt, then checkpoint-<step>.pt. The third is step 2's.
+    monkeypatch.setattr(torch, "save", _save_half_then_fail(torch.save, calls, fail_at=3))
+    with pytest.raises(OSError, match="No space left"):
+        train(tiny_cfg(tmp_path, steps=3, checkpoint_every=1, T=128, max_docs=3), echo=None)
+    assert len(calls) == 3
+    run = tmp_path / "run"
+    assert load_checkpoint(run)["step"] == 1  # step 1's checkpoint, whole
+    assert sorted(p.name for p in run.iterdir()) == [
+        "checkpoint-000001.pt",
+        "checkpoint.pt",
+        "config.json",
+        "train.jsonl",
+    ]

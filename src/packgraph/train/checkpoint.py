@@ -23,6 +23,7 @@ from torch import Tensor
 from packgraph.data.stream import DataStream
 from packgraph.models.gpt import GPTConfig
 from packgraph.train.config import TrainConfig
+from packgraph.train.logs import atomic_open
 
 __all__ = [
     "resolve_checkpoint",
@@ -181,11 +182,12 @@ def _check_plain(obj: Any, where: str = "checkpoint") -> None:
 
 
 def write_checkpoint(state: dict[str, Any], path: Path) -> None:
-    """Save ``state`` at ``path``, atomically; ``TypeError`` first if it holds more than tensors and plain data."""
+    """Save ``state`` at ``path`` atomically (:func:`~packgraph.train.logs.atomic_open`); ``TypeError`` first if it
+    holds more than tensors and plain data."""
     _check_plain(state)
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # a crash never leaves a half-written checkpoint
+    # Through <name>.tmp, fsynced, then renamed: a crash or a failed save leaves the previous checkpoint whole.
+    with atomic_open(path) as f:
+        torch.save(state, f)
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

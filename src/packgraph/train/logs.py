@@ -1,4 +1,5 @@
-"""Run logs: reading ``train.jsonl``, smoothing, throughput, convergence comparison, text tables and loss plots.
+"""Run logs: reading ``train.jsonl``, smoothing, throughput, convergence comparison, text tables and loss plots;
+:func:`atomic_open`, which the run's other files are written through too.
 
 A log is a list of rows, one per optimizer step, as :func:`packgraph.train.train` writes them: at least
 ``step`` (1-based) and ``loss``; ``tokens``, ``step_ms`` and ``captures`` feed :func:`throughput` when present.
@@ -7,14 +8,17 @@ Everything here is pure Python over those rows (no torch); plotting needs matplo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "atomic_open",
+    "write_text_atomically",
     "largest",
     "read_log",
     "truncate_log",
@@ -25,6 +29,49 @@ __all__ = [
     "pyplot",
     "text_table",
 ]
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
+    """A file to write ``path``'s new content to, put in place only once all of it is on disk.
+
+    The block writes to ``<name>.tmp`` beside ``path``. When it ends, the file is flushed, fsynced and renamed over
+    ``path`` (``os.replace``: readers see the old file or the new one, never a part); when it raises, the temporary
+    file is deleted and ``path`` is left as it was. A process killed mid-write leaves ``path`` intact and may leave
+    the ``.tmp`` file, which the next write of ``path`` replaces.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (POSIX); skipped where directories cannot be opened (Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomically(path: str | os.PathLike, text: str) -> None:
+    """``Path(path).write_text(text)`` through :func:`atomic_open`: a crash leaves the old file or the new one."""
+    with atomic_open(path, "w") as f:
+        f.write(text)
 
 
 def throughput(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
@@ -87,7 +134,7 @@ def truncate_log(path: Path, last_step: int) -> None:
     if not path.is_file():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in keep))
+    write_text_atomically(path, "".join(line + "\n" for line in keep))  # a kill here must not lose the log
 
 
 def ema(values: Sequence[float], beta: float = 0.95) -> list[float]:
@@ -182,6 +229,9 @@ def plot_losses(
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_open(out) as f:
+            fig.savefig(f, dpi=120, format=out.suffix.lstrip(".").lower() or "png")
+    finally:
+        plt.close(fig)
     return out

@@ -1,5 +1,8 @@
 """The training loop: :class:`Trainer` runs a config one optimizer step at a time, :func:`train` runs it to the
-end (see :mod:`packgraph.train` for the step, the host syncs and the artefacts)."""
+end (see :mod:`packgraph.train` for the step, the host syncs and the artefacts).
+
+Every file of a run but ``train.jsonl`` (appended to at logged steps) is written whole or not at all
+(:func:`~packgraph.train.logs.atomic_open`)."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from packgraph.train.checkpoint import (
     write_checkpoint,
 )
 from packgraph.train.config import TrainConfig, default_out_dir, resolve_device
-from packgraph.train.logs import largest, plot_losses, throughput, truncate_log
+from packgraph.train.logs import largest, plot_losses, throughput, truncate_log, write_text_atomically
 from packgraph.train.parallel import DataParallelGroup
 from packgraph.train.step import accumulate_gradients, deterministic_kernels, lr_factor, make_optimizer
 
@@ -214,7 +217,7 @@ class Trainer:
     def _open_log(self, *, resumed: bool) -> None:
         """Write ``config.json``; start ``train.jsonl`` empty, or cut a resumed run's log after its last step."""
         config = json.dumps(dataclasses.asdict(self.cfg), indent=2, default=str)
-        (self.out_dir / "config.json").write_text(config + "\n")
+        write_text_atomically(self.out_dir / "config.json", config + "\n")
         if resumed:
             truncate_log(self.log_path, self.start)
         else:
@@ -416,7 +419,7 @@ class Trainer:
         summary = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(result).items()}
         summary.update(first_loss=result.losses[0], final_loss=result.losses[-1], world_size=self.world)
         del summary["losses"]
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_text_atomically(self.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:
         """Release the progress bar and the process group this trainer started (safe to call twice)."""
