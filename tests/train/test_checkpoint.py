@@ -1,14 +1,17 @@
-"""Checkpoints and resume, on CPU with the tiny preset: bitwise continuation, refusal of foreign, crafted and
-mismatched checkpoints, checkpoints that are data only, and saves that fail midway."""
+"""Checkpoints and resume, on CPU with the tiny preset: bitwise continuation, refusal of foreign, crafted,
+mismatched and damaged checkpoints, checkpoints that are data only, and saves that fail midway."""
 
+import copy
 import io
 import os
+import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from packgraph.train import load_checkpoint, train
+from packgraph.train import Trainer, load_checkpoint, train
+from packgraph.train.checkpoint import restore_training_state
 from packgraph.train.logs import read_log
 from tests.train.tiny import tiny_cfg
 
@@ -134,3 +137,104 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_and_no_temp_fil
         "config.json",
         "train.jsonl",
     ]
+
+
+# ---------------------------------------------------------------------------------------------- damaged checkpoints
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A tiny run's checkpoint after 2 steps, and a trainer of the same config (its parts to restore into)."""
+    tmp = tmp_path_factory.mktemp("saved")
+    train(tiny_cfg(tmp, "a", steps=2, T=128, max_docs=3), echo=None)
+    trainer = Trainer(tiny_cfg(tmp, "b", steps=4, T=128, max_docs=3), echo=None)
+    yield load_checkpoint(tmp / "a"), trainer
+    trainer.close()
+
+
+def _set(path, value):
+    """A change to a checkpoint: set the value at ``path`` (keys into nested dicts), or delete it (``DELETE``)."""
+
+    def change(ckpt):
+        *parents, last = path
+        for key in parents:
+            ckpt = ckpt[key]
+        if value is DELETE:
+            del ckpt[last]
+        else:
+            ckpt[last] = value(ckpt[last]) if callable(value) else value
+
+    return change
+
+
+DELETE = object()
+FIRST_KEY = "embed.weight"
+DAMAGES = {
+    "model state incomplete": (
+        _set(("model", FIRST_KEY), DELETE),
+        f"model state does not fit the model: missing {FIRST_KEY}",
+    ),
+    "model state with an extra key": (_set(("model", "extra.weight"), torch.zeros(2)), "unexpected extra.weight"),
+    "model tensor of another shape": (_set(("model", FIRST_KEY), torch.zeros(3)), f"{FIRST_KEY} is (3,), not ("),
+    "model not a dict": (_set(("model",), [1, 2]), "model is a list, not a state dict"),
+    "optimizer not a state dict": (
+        _set(("optimizer",), {"param_groups": []}),
+        "optimizer is not an optimizer state dict",
+    ),
+    "optimizer with a group less": (
+        _set(("optimizer", "param_groups"), lambda g: g[:1]),
+        "optimizer has 1 parameter groups",
+    ),
+    "optimizer moment of another shape": (
+        _set(("optimizer", "state", 0, "exp_avg"), torch.zeros(1, 1)),
+        "optimizer state 'exp_avg' of parameter 0 is (1, 1)",
+    ),
+    "scheduler not a dict": (_set(("scheduler",), None), "scheduler is a NoneType, not a state dict"),
+    "scheduler at a negative step": (_set(("scheduler", "last_epoch"), -1), "scheduler's last_epoch is -1"),
+    "data missing a key": (_set(("data", "position"), DELETE), "data is missing position"),
+    "data not a dict": (_set(("data",), [0, 2]), "data is a list"),
+    "data position not an int": (_set(("data", "position"), "2"), "data position is '2', not an int >= 0"),
+    "torch RNG state of another size": (
+        _set(("rng", "torch"), torch.zeros(10, dtype=torch.uint8)),
+        r"rng['torch'] is not a CPU generator state",
+    ),
+    "torch RNG state not a tensor": (_set(("rng", "torch"), [1, 2]), "rng['torch'] is not a CPU generator state"),
+    "python RNG state cut short": (_set(("rng", "python"), lambda s: [s[0], s[1][:10], s[2]]), "rng['python'] is not"),
+    "RNG state missing": (_set(("rng",), {}), "rng is not an RNG state"),
+    "negative step": (_set(("step",), -1), "step is -1, not a count of steps done"),
+    "step not an int": (_set(("step",), 1.5), "step is 1.5, not a count of steps done"),
+    "step a bool": (_set(("step",), True), "step is True"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_checkpoint_is_refused_with_one_line_naming_it_before_anything_is_restored(saved_run, damage):
+    good, trainer = saved_run
+    change, message = DAMAGES[damage]
+    ckpt = copy.deepcopy(good)
+    change(ckpt)
+    parts = trainer._state_parts()
+    before = (
+        {k: v.clone() for k, v in trainer.model.state_dict().items()},
+        copy.deepcopy(trainer.optimizer.state_dict()),
+        trainer.scheduler.state_dict(),
+        trainer.data.state_dict(),
+        torch.get_rng_state(),
+        random.getstate(),
+    )
+    with pytest.raises(ValueError) as e:
+        restore_training_state(ckpt, **parts)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    state, optimizer, scheduler, data, torch_rng, python_rng = before
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert trainer.optimizer.state_dict()["state"] == optimizer["state"] == {}
+    assert trainer.scheduler.state_dict() == scheduler and trainer.data.state_dict() == data
+    assert torch.equal(torch.get_rng_state(), torch_rng) and random.getstate() == python_rng
+
+
+def test_a_resume_refused_leaves_no_out_dir(saved_run, tmp_path):
+    good, _ = saved_run
+    bad = tmp_path / "bad.pt"
+    torch.save({**good, "step": -3}, bad)
+    with pytest.raises(ValueError, match=r"bad.pt: step is -3"):
+        train(tiny_cfg(tmp_path, "resumed", steps=4, T=128, max_docs=3, resume=str(bad)), echo=None)
+    assert not (tmp_path / "resumed").exists()

@@ -155,8 +155,6 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ build
     def _setup(self, ckpt: dict[str, Any] | None, documents: Sequence[Tensor] | None) -> None:
         cfg = self.cfg
-        if self.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
         self._build(documents)
         self.start = self._resume(ckpt) if ckpt is not None else 0
         self.step_index = self.start
@@ -164,6 +162,8 @@ class Trainer:
             self.dp.broadcast(self.model)
         self.log_path = self.out_dir / "train.jsonl"
         if self.rank == 0:
+            # Only now: a run refused above (a config or a checkpoint that does not fit) leaves no empty out dir.
+            self.out_dir.mkdir(parents=True, exist_ok=True)
             self._open_log(resumed=ckpt is not None)
         self.runner = self.model.graphed(scope=cfg.scope) if self.graphs else self.model
         self.mode = "graphed, scope " + cfg.scope if self.graphs else "eager"
