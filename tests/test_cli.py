@@ -1,4 +1,5 @@
-"""The ``packgraph`` command line: the demo end to end, train/score/plot-convergence, and every error path."""
+"""The ``packgraph`` command line: the demo end to end, train/score/plot-convergence, out dirs that hold an earlier
+run (refused, overwritten, resumed in place), and every error path."""
 
 import json
 import math
@@ -7,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,8 @@ from packgraph.data.stream import DataStream, corpus_documents
 from packgraph.distributed.launch import torchrun_command
 from packgraph.models.gpt import GPT, GPTConfig
 from packgraph.score import score
-from packgraph.train import TrainConfig
+from packgraph.train import TrainConfig, Trainer, load_checkpoint
+from packgraph.train.logs import read_log
 
 
 def run_cli(capsys, *argv):
@@ -223,6 +226,160 @@ def test_score_refuses_a_checkpoint_whose_unpickling_runs_code(tmp_path, capsys)
     code, out, err = run_cli(capsys, "score", "--device", "cpu", "--checkpoint", str(evil), "--out-dir", str(tmp_path))
     assert code == 2 and "refusing to load" in err and "could run any code" in err and "Traceback" not in err
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------- out dirs and resume
+TINY = ["--device", "cpu", "--T", "128", "--max-docs", "3", "--no-progress", "--no-plot"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 2-step train run with a checkpoint per step. Tests change copies of it (copy_run), never it."""
+    run = tmp_path_factory.mktemp("tiny") / "run"
+    assert main(["train", *TINY, "--steps", "2", "--checkpoint-every", "1", "--out-dir", str(run)]) == 0
+    return run
+
+
+def copy_run(run, tmp_path, name="run"):
+    return Path(shutil.copytree(run, tmp_path / name))
+
+
+def contents(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_train_refuses_an_out_dir_holding_a_run(tiny_run, tmp_path, capsys):
+    run = copy_run(tiny_run, tmp_path)
+    before = contents(run)
+    code, _, err = run_cli(capsys, "train", *TINY, "--steps", "2", "--out-dir", str(run))
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"packgraph: error: --out-dir {run} already holds a train run (checkpoint-000001.pt, ")
+    assert f"pass --resume {run} to continue it, --overwrite to delete those files first" in err
+    assert contents(run) == before  # its log, config and checkpoints as they were
+    mine = tmp_path / "mine"  # a dir holding only the user's files holds no run
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    code, _, err = run_cli(capsys, "train", *TINY, "--steps", "1", "--out-dir", str(mine))
+    assert code == 0, err
+    assert (mine / "notes.txt").read_text() == "mine\n" and len(read_log(mine / "train.jsonl")) == 1
+
+
+def test_train_overwrite_deletes_the_earlier_run_before_it_starts(tiny_run, tmp_path, capsys, monkeypatch):
+    """The issue's case: a new run interrupted in an old run's dir left the old checkpoint.pt beside its log."""
+    run = copy_run(tiny_run, tmp_path)
+    (run / "notes.txt").write_text("mine\n")
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "step", interrupted)
+    argv = ["train", *TINY, "--steps", "3", "--seed", "5", "--overwrite", "--out-dir", str(run)]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 130
+    assert f"--overwrite: deleted the earlier train run's files in {run} (checkpoint-000001.pt, " in out
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "notes.txt", "train.jsonl"]
+    assert json.loads((run / "config.json").read_text())["seed"] == 5
+    assert (run / "train.jsonl").read_text() == "" and (run / "notes.txt").read_text() == "mine\n"
+
+
+def test_train_resume_continues_its_run_in_its_own_dir_only(tiny_run, tmp_path, capsys):
+    run, other = copy_run(tiny_run, tmp_path), copy_run(tiny_run, tmp_path, "other")
+    code, _, err = run_cli(capsys, "train", *TINY, "--steps", "3", "--resume", str(other), "--out-dir", str(run))
+    assert code == 2 and "already holds a train run (" in err and f"--resume {other} is not a checkpoint of it" in err
+    code, _, err = run_cli(
+        capsys, "train", *TINY, "--steps", "3", "--resume", str(run), "--overwrite", "--out-dir", str(run)
+    )
+    assert code == 2 and f"--overwrite would delete {(run / 'checkpoint.pt').resolve()}" in err
+    assert contents(run) == contents(other)  # both refusals left the run as it was
+    first = str(run / "checkpoint-000001.pt")
+    code, _, err = run_cli(capsys, "train", *TINY, "--steps", "3", "--resume", first, "--out-dir", str(run))
+    assert code == 0, err
+    rows = read_log(run / "train.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]  # cut after the checkpoint's step, then continued
+    assert rows[0] == read_log(other / "train.jsonl")[0]
+    assert load_checkpoint(run)["step"] == 3
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda c: c["model"].pop("embed.weight"), "model state does not fit the model: missing embed.weight"),
+        (lambda c: c["data"].pop("position"), "data is missing position"),
+        (lambda c: c["rng"].update(torch=torch.zeros(10, dtype=torch.uint8)), "rng['torch'] is not a CPU generator"),
+        (lambda c: c.update(step=-1), "step is -1, not a count of steps done"),
+        (lambda c: c.update(train_config=[1]), "train_config is a list, not a dict"),
+    ],
+    ids=["model state incomplete", "data keys missing", "bad RNG state", "negative step", "train_config a list"],
+)
+def test_train_resume_from_a_damaged_checkpoint_is_one_line_and_changes_nothing(
+    tiny_run, tmp_path, capsys, damage, message
+):
+    run = copy_run(tiny_run, tmp_path)
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    damage(ckpt)
+    torch.save(ckpt, run / "checkpoint.pt")
+    before, fresh = contents(run), tmp_path / "fresh"
+    for out_dir in (fresh, run):  # a new run dir, then in place
+        code, _, err = run_cli(capsys, "train", *TINY, "--steps", "4", "--resume", str(run), "--out-dir", str(out_dir))
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+        assert err.startswith("packgraph: error: checkpoint ") and message in err, err
+    assert not fresh.exists()  # no empty out dir left behind
+    assert contents(run) == before  # the run it would have continued: log, config and checkpoints untouched
+
+
+def test_score_names_what_does_not_fit_in_a_checkpoints_model_on_one_line(tiny_run, tmp_path, capsys):
+    ckpt = torch.load(tiny_run / "checkpoint.pt", weights_only=True)
+    ckpt["model"]["embed.weight"] = torch.zeros(3)
+    bad = tmp_path / "bad.pt"
+    torch.save(ckpt, bad)
+    code, _, err = run_cli(
+        capsys, "score", "--device", "cpu", "--checkpoint", str(bad), "--out-dir", str(tmp_path / "s")
+    )
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"{bad}: model state does not fit the model: embed.weight is (3,), not (" in err
+
+
+def test_score_refuses_an_out_dir_holding_a_score_unless_overwrite(tmp_path, capsys):
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / "score.json").write_text("{}\n")
+    (out / "notes.txt").write_text("mine\n")
+    argv = ["score", "--device", "cpu", "--T", "128", "--max-docs", "3", "--batches", "1", "--out-dir", str(out)]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and f"--out-dir {out} already holds a score run (score.json): pass --overwrite" in err
+    assert (out / "score.json").read_text() == "{}\n"
+    code, _, err = run_cli(capsys, *argv, "--overwrite")
+    assert code == 0, err
+    assert json.loads((out / "score.json").read_text())["batches"] == 1
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "score.json"]
+
+
+def test_demo_out_dirs_default_new_given_refused_unless_overwrite(tmp_path, capsys, monkeypatch):
+    """The demo's own run is tested above; here a stand-in writes what it writes, so only the out dir rule runs."""
+
+    def run_demo(cfg, scopes, echo):
+        out = Path(cfg.out_dir)
+        (out / "eager").mkdir()
+        for name in ("config.json", "train.jsonl", "summary.json"):
+            (out / "eager" / name).write_text("{}\n")
+        (out / "demo.json").write_text("{}\n")
+
+    monkeypatch.setattr("packgraph.train.demo.run_demo", run_demo)
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):  # the default out dir is a new one each time, however fast the second run comes
+        code, _, err = run_cli(capsys, "demo", "--device", "cpu")
+        assert code == 0, err
+    assert len(list((tmp_path / "runs").iterdir())) == 2
+    out = tmp_path / "d"
+    code, _, err = run_cli(capsys, "demo", "--device", "cpu", "--out-dir", str(out))
+    assert code == 0, err
+    (out / "notes.txt").write_text("mine\n")
+    code, _, err = run_cli(capsys, "demo", "--device", "cpu", "--out-dir", str(out))
+    assert code == 2 and "already holds a demo run (demo.json, eager/config.json, eager/summary.json" in err
+    code, out_text, err = run_cli(capsys, "demo", "--device", "cpu", "--out-dir", str(out), "--overwrite")
+    assert code == 0, err  # the stand-in's mkdir of eager/ passes: --overwrite removed the dir it emptied
+    assert "--overwrite: deleted the earlier demo run's files" in out_text
+    assert (out / "notes.txt").read_text() == "mine\n"
 
 
 def test_help_and_nproc_forwarding(capsys):

@@ -1,8 +1,11 @@
 """``packgraph``: the command line (demo, train, score, bench, plot-convergence).
 
 Every command that writes artefacts writes them under an out dir it prints (default
-``./runs/<command>-<timestamp>``). Bad flags, values and paths exit with code 2 and a one-line message, no
-traceback (set ``PACKGRAPH_DEBUG=1`` to get the traceback of a rejected value).
+``./runs/<command>-<timestamp>``, a new one each time). An out dir that already holds the files an earlier run of
+the same command wrote is refused, so that no run is overwritten by accident or mixed with another: ``--overwrite``
+deletes those files first (packgraph's own files only; nothing else in the dir), and ``train --resume`` from a
+checkpoint of that very dir continues its run there. Bad flags, values and paths exit with code 2 and a one-line
+message, no traceback (set ``PACKGRAPH_DEBUG=1`` to get the traceback of a rejected value).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,30 +58,103 @@ def _scopes(text: str) -> tuple[str, ...]:
     return values
 
 
+# What each command writes in its out dir: an out dir holding any of it holds an earlier run, and --overwrite
+# deletes exactly these files (train's are packgraph.train.trainer.run_files).
+_WRITES = {
+    "train": "config.json, train.jsonl, summary.json, loss.png, checkpoint.pt, checkpoint-<step>.pt",
+    "score": "score.json, logprobs.pt",
+    "demo": "demo.json, demo.png, and train's files in its run dirs eager/, eager-rerun/ and graphed-<scope>/",
+}
+_SCORE_FILE = re.compile(r"(score\.json|logprobs\.pt)(\.tmp)?")
+_DEMO_RUN_DIR = re.compile(r"eager|eager-rerun|graphed-\w+")
+
+
+def _earlier_run(out: Path, command: str) -> list[Path]:
+    """The files in ``out`` that an earlier run of ``command`` wrote (``.tmp`` ones left by a killed write too)."""
+    from packgraph.train.trainer import run_files
+
+    if command == "train" or not out.is_dir():
+        return run_files(out)
+    if command == "score":
+        return sorted(p for p in out.iterdir() if _SCORE_FILE.fullmatch(p.name) and not p.is_dir())
+    found = [p for p in out.iterdir() if p.name in ("demo.json", "demo.png") and not p.is_dir()]
+    for sub in out.iterdir():
+        if sub.is_dir() and _DEMO_RUN_DIR.fullmatch(sub.name):
+            found += run_files(sub)
+    return sorted(found)
+
+
+def _listed(files: Sequence[Path], out: Path, limit: int = 4) -> str:
+    names = [str(f.relative_to(out)) for f in files]
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def _out_path(args: argparse.Namespace, command: str) -> Path:
-    """The out dir to use (not created yet: commands create it only once every flag has been checked)."""
-    from packgraph.train import default_out_dir
+    """The out dir to use (not created yet: commands create it only once every flag has been checked).
+
+    ``CLIError`` when it already holds an earlier run of ``command`` (see the module docstring), unless
+    ``--overwrite`` is given or ``train --resume`` continues that run in place (its checkpoint is in the dir).
+    """
+    from packgraph.train import default_out_dir, resolve_checkpoint
 
     out = Path(args.out_dir) if args.out_dir else default_out_dir(command)
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out-dir {out} exists and is not a directory")
-    return out
+    earlier = _earlier_run(out, command)
+    if not earlier:
+        return out
+    resume = getattr(args, "resume", None)
+    checkpoint = resolve_checkpoint(resume).resolve() if resume else None  # cmd_train has checked that it exists
+    if args.overwrite:
+        if checkpoint is not None and checkpoint in {f.resolve() for f in earlier}:
+            raise CLIError(
+                f"--overwrite would delete {checkpoint}, the checkpoint --resume continues from; drop --overwrite to "
+                f"continue its run in {out}, or give another --out-dir"
+            )
+        return out
+    if checkpoint is not None and checkpoint.parent == out.resolve():
+        return out  # resumed in place: the log is cut after the checkpoint's step and continued
+    held = f"--out-dir {out} already holds a {command} run ({_listed(earlier, out)})"
+    if checkpoint is not None:
+        held += f", and --resume {resume} is not a checkpoint of it"
+    resume_hint = f"--resume {out} to continue it, " if command == "train" and checkpoint is None else ""
+    raise CLIError(f"{held}: pass {resume_hint}--overwrite to delete those files first, or give another --out-dir")
 
 
-def _make_dir(out: Path) -> Path:
+def _make_dir(out: Path, command: str, args: argparse.Namespace) -> Path:
+    """Create ``out``; with ``--overwrite``, delete the earlier run's files in it first (see :func:`_out_path`)."""
+    earlier = _earlier_run(out, command) if args.overwrite else []
     try:
+        for f in earlier:
+            f.unlink(missing_ok=True)
+        for d in sorted({f.parent for f in earlier} - {out}):  # the demo's run dirs, when nothing else is left there
+            if not any(d.iterdir()):
+                d.rmdir()
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise CLIError(f"cannot create --out-dir {out}: {e.strerror}") from None
+        raise CLIError(f"cannot prepare --out-dir {out}: {e.strerror} ({e.filename})") from None
+    if earlier:
+        print(f"--overwrite: deleted the earlier {command} run's files in {out} ({_listed(earlier, out)})")
     return out
 
 
-def _add_common(p: argparse.ArgumentParser, *, T: int | None) -> None:
+def _add_common(p: argparse.ArgumentParser, *, T: int | None, command: str) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     p.add_argument("--seed", type=int, default=0, help="seed of init, data order and document splits")
     p.add_argument("--T", type=_positive_int, default=T, help="rows (tokens) per packed micro-batch")
     p.add_argument("--max-docs", type=_positive_int, default=None, help="use only the first N corpus files")
-    p.add_argument("--out-dir", default=None, help="where artefacts go (default ./runs/<command>-<timestamp>)")
+    p.add_argument(
+        "--out-dir",
+        default=None,
+        help=f"where artefacts go (default ./runs/{command}-<timestamp>); one that holds an earlier {command} run is "
+        "refused unless --overwrite" + (" or --resume from a checkpoint in it" if command == "train" else ""),
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace the {command} run in --out-dir: first delete the files it wrote ({_WRITES[command]}); "
+        "other files in the dir are kept",
+    )
 
 
 def _add_model_and_buckets(p: argparse.ArgumentParser, *, scope: bool = True) -> None:
@@ -104,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     demo = sub.add_parser("demo", help="pack the embedded corpus and train a small GPT (eager; graphed too on CUDA)")
-    _add_common(demo, T=None)
+    _add_common(demo, T=None, command="demo")
     _add_model_and_buckets(demo, scope=False)
     demo.add_argument("--steps", type=_positive_int, default=None, help="training steps (default 50 CPU, 100 CUDA)")
     demo.add_argument(
@@ -117,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     train = sub.add_parser("train", help="train the reference GPT on the embedded corpus")
-    _add_common(train, T=2048)
+    _add_common(train, T=2048, command="train")
     _add_model_and_buckets(train)
     train.add_argument("--steps", type=_positive_int, default=200)
     train.add_argument("--lr", type=float, default=None, help="peak learning rate (default per preset)")
@@ -125,7 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step")
     train.add_argument("--chunk-len", type=_positive_int, default=None, help="longest document piece (default T)")
     train.add_argument("--min-chunk-len", type=_positive_int, default=64, help="shortest document piece")
-    train.add_argument("--resume", default=None, help="checkpoint file, or a run dir holding checkpoint.pt")
+    train.add_argument(
+        "--resume",
+        default=None,
+        help="checkpoint file, or a run dir holding checkpoint.pt; with --out-dir the checkpoint's own dir, its run "
+        "continues there (train.jsonl cut after the checkpoint's step, then appended to)",
+    )
     train.add_argument("--checkpoint-every", type=int, default=0, help="also keep checkpoint-<step>.pt every N steps")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--no-plot", action="store_true", help="no loss.png")
@@ -143,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=_positive_int, default=1, help="processes (GPUs) for data parallel")
 
     score = sub.add_parser("score", help="per-token logprobs of packed batches, graphed vs eager")
-    _add_common(score, T=2048)
+    _add_common(score, T=2048, command="score")
     _add_model_and_buckets(score)
     score.add_argument("--checkpoint", default=None, help="checkpoint file or run dir (default: a fresh init)")
     score.add_argument("--batches", type=_positive_int, default=8, help="how many packed batches to score")
@@ -234,11 +316,11 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cfg = _train_config(args, device, graphs, out_dir, **overrides)
     from packgraph.train import train
 
-    # Under torchrun (packgraph train --nproc N) only rank 0 writes and talks.
+    # Under torchrun (packgraph train --nproc N) only rank 0 writes and talks; every rank has checked the out dir.
     main_rank = int(os.environ.get("RANK", "0")) == 0
     existed = out_dir.exists()
     if main_rank:
-        _make_dir(out_dir)
+        _make_dir(out_dir, "train", args)
         print(f"out dir: {out_dir}")
     try:
         result = train(cfg)
@@ -275,7 +357,7 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     )
     args.preset, args.T = settings.pop("preset"), settings.pop("T")  # _train_config reads them (the lr per preset)
     cfg = _train_config(args, device, False, out_dir, **settings)
-    _make_dir(out_dir)
+    _make_dir(out_dir, "demo", args)
     run_demo(cfg, scopes=args.scopes if graphs else (), echo=print)
     return 0
 
@@ -285,6 +367,7 @@ def _load_model(args: argparse.Namespace, device):
 
     from packgraph.models.gpt import GPT, GPTConfig
     from packgraph.train import load_checkpoint, resolve_checkpoint
+    from packgraph.train.checkpoint import check_model_state
 
     if args.checkpoint:
         try:
@@ -294,10 +377,16 @@ def _load_model(args: argparse.Namespace, device):
             raise CLIError(str(e)) from None
         try:
             model = GPT(GPTConfig(**ckpt["model_config"]))
-            model.load_state_dict(ckpt["model"])
         except Exception as e:  # a foreign file that happens to have the keys
             raise CLIError(f"{path} is not a packgraph checkpoint ({type(e).__name__}: {e})") from None
-        if args.preset and args.preset != ckpt.get("train_config", {}).get("preset", args.preset):
+        try:
+            check_model_state(ckpt["model"], model)  # names missing, unexpected and misshapen tensors on one line
+        except ValueError as e:
+            raise CLIError(f"{path}: {e}") from None
+        model.load_state_dict(ckpt["model"])
+        saved = ckpt.get("train_config")
+        preset = saved.get("preset") if isinstance(saved, dict) else None
+        if args.preset and preset and args.preset != preset:
             raise CLIError(f"--preset {args.preset} does not match the checkpoint's model")
         return model.to(device), str(path)
     torch.manual_seed(args.seed)
@@ -311,13 +400,14 @@ def cmd_score(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from packgraph.data.stream import DataStream, corpus_documents
     from packgraph.score import score
+    from packgraph.train.logs import atomic_open, write_text_atomically
 
     device = _device(args.device)
     graphs = _check_graphs(args.graphs, device)
     out_dir = _out_path(args, "score")
     cfg = _train_config(args, device, graphs, out_dir, max_docs=args.max_docs or 100)
     model, source = _load_model(args, device)
-    _make_dir(out_dir)
+    _make_dir(out_dir, "score", args)
     print(f"packgraph score on {device}; model {source or 'fresh init (seed ' + str(args.seed) + ')'}")
     print(f"out dir: {out_dir}")
     data = DataStream(corpus_documents(cfg), T=cfg.T, policy=cfg.bucket_policy(), seed=cfg.seed)
@@ -347,14 +437,15 @@ def cmd_score(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "max_abs_diff": result.max_abs_diff,
         "scope": args.scope if graphs else None,
     }
-    (out_dir / "score.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomically(out_dir / "score.json", json.dumps(summary, indent=2) + "\n")
     if args.save_logprobs:
-        torch.save({"logprobs": result.logprobs, "eager_logprobs": result.eager_logprobs}, out_dir / "logprobs.pt")
+        with atomic_open(out_dir / "logprobs.pt") as f:
+            torch.save({"logprobs": result.logprobs, "eager_logprobs": result.eager_logprobs}, f)
     return 0
 
 
 def cmd_plot_convergence(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from packgraph.train.logs import convergence_report, plot_losses, read_log, text_table
+    from packgraph.train.logs import convergence_report, plot_losses, read_log, text_table, write_text_atomically
 
     if args.labels and len(args.labels) != len(args.logs):
         raise CLIError(f"--labels has {len(args.labels)} names for {len(args.logs)} logs")
@@ -379,7 +470,7 @@ def cmd_plot_convergence(args: argparse.Namespace, argv: Sequence[str]) -> int:
     curves = {n: [(int(r["step"]), float(r["loss"])) for r in rows] for n, rows in logs.items()}
     png = plot_losses(curves, out, echo=print, beta=args.ema)
     out.with_suffix(".json").parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text_atomically(out.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
     rows = [
         [
             n,

@@ -15,6 +15,7 @@ from packgraph.data.corpus import VOCAB_SIZE
 from packgraph.graphs import use_recorder
 from packgraph.train import Trainer, train
 from packgraph.train.logs import read_log
+from packgraph.train.trainer import run_files
 from tests.eager_recorder import EagerRecorder
 from tests.train.tiny import tiny_cfg
 
@@ -121,3 +122,20 @@ def test_trainer_steps_read_nothing_until_a_logged_step(tmp_path):
     assert [r["step"] for r in read_log(result.log_path)] == list(range(1, 7))
     assert all(r["grad_norm"] > 0 and r["step_ms"] > 0 for r in trainer.rows)
     assert result.first_step_s > 0
+
+
+def test_run_files_lists_every_file_a_run_writes(tmp_path):
+    """`packgraph train --overwrite` deletes run_files(out_dir) and nothing else: it must know every file a run
+    writes, and no file of the user's."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    (out / "checkpoint-best.pt").write_bytes(b"mine too")
+    result = train(tiny_cfg(tmp_path, steps=2, checkpoint_every=1, plot=True, T=128, max_docs=3), echo=None)
+    assert result.plot_path is not None
+    written = {"config.json", "train.jsonl", "summary.json", "loss.png"}
+    written |= {"checkpoint.pt", "checkpoint-000001.pt", "checkpoint-000002.pt"}
+    assert {p.name for p in out.iterdir()} == written | {"notes.txt", "checkpoint-best.pt"}
+    assert [p.name for p in run_files(out)] == sorted(written)
+    (out / "checkpoint.pt.tmp").write_bytes(b"")  # what a kill mid-save leaves
+    assert out / "checkpoint.pt.tmp" in run_files(out)

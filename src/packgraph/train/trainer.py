@@ -2,13 +2,17 @@
 end (see :mod:`packgraph.train` for the step, the host syncs and the artefacts).
 
 Every file of a run but ``train.jsonl`` (appended to at logged steps) is written whole or not at all
-(:func:`~packgraph.train.logs.atomic_open`)."""
+(:func:`~packgraph.train.logs.atomic_open`). A run writes over what an earlier run left in its out dir;
+``packgraph train`` refuses such a dir unless it resumes that run or is told to overwrite it (then it deletes
+:func:`run_files` first)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +38,23 @@ from packgraph.train.logs import largest, plot_losses, throughput, truncate_log,
 from packgraph.train.parallel import DataParallelGroup
 from packgraph.train.step import accumulate_gradients, deterministic_kernels, lr_factor, make_optimizer
 
-__all__ = ["TrainResult", "Trainer", "train", "compare_eager_graphed"]
+__all__ = ["TrainResult", "Trainer", "train", "compare_eager_graphed", "run_files"]
+
+# What a run writes in its out dir, and the .tmp files that a write cut short leaves (checkpoint[-<step>].tmp: those
+# of earlier versions). The CLI's --overwrite deletes these and nothing else.
+_RUN_FILE = re.compile(
+    r"(config\.json|train\.jsonl|summary\.json|loss\.png|checkpoint(-\d+)?\.pt)(\.tmp)?|checkpoint(-\d+)?\.tmp"
+)
+
+
+def run_files(out_dir: str | os.PathLike) -> list[Path]:
+    """The files of a training run in ``out_dir``, sorted: ``config.json``, ``train.jsonl``, ``summary.json``,
+    ``loss.png``, ``checkpoint.pt``, ``checkpoint-<step>.pt`` and the ``.tmp`` files of an interrupted write of
+    any of them. Empty when ``out_dir`` is not a directory; other files in it are not listed."""
+    d = Path(out_dir)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if _RUN_FILE.fullmatch(p.name) and not p.is_dir())
 
 
 @dataclass
