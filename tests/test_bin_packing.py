@@ -145,3 +145,21 @@ def test_pack_rejects_bad_arguments(kwargs, match):
         pack_sequences([3, 4], 16, **args)
     with pytest.raises(ValueError, match="negative"):
         pack_sequences([3, -1], 16, max_seqs_per_bin=4)
+
+
+@pytest.mark.parametrize(
+    "lengths, shown",
+    [
+        ([2.5, 3.9], "lengths[0] is 2.5"),
+        (torch.tensor([2.0, 3.9]), "lengths[1] is 3.9"),
+        (torch.tensor([[2, 3]]), "must be 1-D"),
+        ([[2, 3]], "lengths[0] is [2, 3]"),
+    ],
+)
+def test_pack_rejects_lengths_that_are_not_whole_numbers(lengths, shown):
+    # Issue #31 item 7: int() would have truncated 2.5 and 3.9 to 2 and 3 and packed documents of the wrong size.
+    with pytest.raises(ValueError) as e:
+        pack_sequences(lengths, 8, max_seqs_per_bin=4)
+    message = str(e.value)
+    assert message.startswith("pack_sequences: lengths ") and shown in message and "\n" not in message
+    assert pack_sequences([2.0, 3.0], 8, max_seqs_per_bin=4).lengths == (2, 3)  # whole floats are whole numbers

@@ -143,3 +143,39 @@ def test_to_keeps_shared_tensors_shared():
     m = p.to("meta")
     assert m.cu_seqlens_q is m.cu_seqlens_kv and m.cu_seqlens_q_padded is m.cu_seqlens_kv_padded
     assert m.device.type == "meta"
+
+
+# Issue #31 item 7: lengths that are not whole numbers, or whose offsets int32 cannot hold, are refused by a one-line
+# PackedSeqParamsError naming ``lengths``, not truncated or left to fail inside int() or torch.tensor.
+@pytest.mark.parametrize(
+    "lengths, kwargs, rule, shown",
+    [
+        ([2.7, 3.2], {}, "must be whole numbers", "lengths[0] is 2.7"),
+        ([3, 2.5], {}, "must be whole numbers", "lengths[1] is 2.5"),
+        (torch.tensor([2.0, 3.5]), {}, "must be whole numbers", "lengths[1] is 3.5"),
+        ([float("nan")], {}, "must be whole numbers", "lengths[0] is nan"),
+        ([[2, 3]], {}, "must be whole numbers", "lengths[0] is [2, 3]"),
+        (torch.tensor([[2, 3]]), {}, "must be 1-D", "shape (1, 2)"),
+        (torch.tensor(5), {}, "must be 1-D", "shape ()"),
+        (5, {}, "must be a sequence of whole numbers", "got int"),
+        ([2**31], {}, "offsets overflow int32", "2147483648 rows"),
+        ([2**30, 2**30], {}, "offsets overflow int32", "2147483648 rows"),
+        ([2**31 - 2], {"pad_to_multiple": 4}, "offsets overflow int32", "2147483648 rows"),
+    ],
+)
+def test_from_seqlens_rejects_lengths_that_are_not_int32_whole_numbers(lengths, kwargs, rule, shown):
+    with pytest.raises(PackedSeqParamsError) as e:
+        PackedSeqParams.from_seqlens(lengths, **kwargs)
+    assert (e.value.field, e.value.rule) == ("lengths", rule)
+    message = str(e.value)
+    assert message.startswith("PackedSeqParams.lengths: ") and shown in message and "\n" not in message
+
+
+def test_from_seqlens_accepts_whole_numbers_of_any_type():
+    import numpy as np
+
+    want = [0, 2, 5, 5]
+    whole = ([2, 3], [2.0, 3.0], np.array([2, 3]), [np.int64(2), 3], torch.tensor([2.0, 3.0]), (n for n in [2, 3]))
+    for lengths in whole:
+        assert PackedSeqParams.from_seqlens(lengths, capacity=3).cu_seqlens_q.tolist() == want
+    assert PackedSeqParams.from_seqlens([2**31 - 1]).cu_seqlens_q.tolist() == [0, 2**31 - 1]  # the largest that fits

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from packgraph.params import whole_lengths
+
 __all__ = ["PACKING_ALGORITHMS", "Packing", "pack_sequences"]
 
 PACKING_ALGORITHMS: tuple[str, ...] = ("ffd", "bfd", "nfd")
@@ -84,7 +86,8 @@ def pack_sequences(
       (Megatron RL's behaviour; simple, usually more bins).
 
     Args:
-        lengths: host-side document lengths (ints >= 0, or a CPU tensor).
+        lengths: host-side document lengths: whole numbers >= 0 (ints, or floats with no fraction), or a 1-D
+            tensor of them.
         overlong: a document whose footprint exceeds ``bin_size``: ``"raise"`` a ``ValueError`` naming the
             indices, or ``"truncate"`` it to the longest length whose footprint fits (listed in
             ``Packing.truncated``). Documents are never dropped.
@@ -92,9 +95,7 @@ def pack_sequences(
     Raises:
         ValueError: bad arguments, or an overlong document with ``overlong="raise"``.
     """
-    if isinstance(lengths, Tensor):
-        lengths = lengths.tolist()
-    lengths = [int(n) for n in lengths]
+    lengths = whole_lengths(lengths, lambda rule, detail: ValueError(f"pack_sequences: lengths {rule} ({detail})"))
     if algorithm not in PACKING_ALGORITHMS:
         raise ValueError(f"algorithm must be one of {PACKING_ALGORITHMS}, got {algorithm!r}")
     if overlong not in ("raise", "truncate"):

@@ -19,7 +19,10 @@ Field names follow Megatron-LM's ``megatron.core.packed_seq_params.PackedSeqPara
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import math
+import numbers
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +55,9 @@ __all__ = [
 
 MAMBA_FIELDS: tuple[str, ...] = ("total_tokens", "seq_idx")
 """Fields only Mamba layers read. They never cross an attention graph boundary (see ``attention_view``)."""
+
+INT32_MAX = 2**31 - 1
+"""The largest offset an int32 ``cu_seqlens`` holds."""
 
 
 @dataclass(eq=False)
@@ -134,7 +140,8 @@ class PackedSeqParams:
         """Build fixed-capacity params from host-side document lengths.
 
         Args:
-            lengths: real length of each document, in stream order (ints, or a CPU tensor).
+            lengths: real length of each document, in stream order: whole numbers (ints, or floats with no
+                fraction), or a 1-D CPU tensor of them.
             capacity: number of slots (static). Defaults to ``len(lengths)``; slots past the documents are
                 ghosts that repeat the last offset.
             total_tokens: stream size ``T`` (static). Defaults to the last (padded) offset.
@@ -144,14 +151,13 @@ class PackedSeqParams:
             device: where the tensors live.
 
         Raises:
-            PackedSeqParamsError: negative lengths, more documents than ``capacity``, a ``total_tokens`` or
-                ``max_seqlen`` too small for the documents.
+            PackedSeqParamsError: lengths that are not whole numbers (a fraction, a 2-D tensor) or are negative,
+                offsets past int32, more documents than ``capacity``, a ``total_tokens`` or ``max_seqlen`` too
+                small for the documents.
         """
-        if isinstance(lengths, Tensor):
-            if lengths.device.type != "cpu":
-                raise PackedSeqParamsError("lengths", "must be host-side", "pass a list or a CPU tensor")
-            lengths = lengths.tolist()
-        lengths = [int(n) for n in lengths]
+        if isinstance(lengths, Tensor) and lengths.device.type != "cpu":
+            raise PackedSeqParamsError("lengths", "must be host-side", "pass a list or a CPU tensor")
+        lengths = whole_lengths(lengths, lambda rule, detail: PackedSeqParamsError("lengths", rule, detail))
         if any(n < 0 for n in lengths):
             raise PackedSeqParamsError("cu_seqlens_q", "lengths must be >= 0", f"got {lengths}")
         if pad_to_multiple < 1:
@@ -168,8 +174,15 @@ class PackedSeqParams:
         if pad_to_multiple > 1:
             padded = _offsets([-(-n // pad_to_multiple) * pad_to_multiple for n in lengths], ghost_slots)
             host.update(cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+        last = (offsets if padded is None else padded)[-1]
+        if last > INT32_MAX:
+            raise PackedSeqParamsError(
+                "lengths",
+                "offsets overflow int32",
+                f"the documents take {last} rows > {INT32_MAX}; cu_seqlens are int32: split them over batches",
+            )
         if total_tokens is None:
-            total_tokens = (offsets if padded is None else padded)[-1]
+            total_tokens = last
         if max_seqlen is None:
             max_seqlen = max(max(lengths, default=0), 1)
         cu = torch.tensor(offsets, dtype=torch.int32, device=device)
@@ -401,6 +414,51 @@ def slot_of_rows(offsets: Tensor, rows: Tensor) -> Tensor:
     """
     # The whole tensor, not offsets[1:]: inductor cannot lower searchsorted over a slice view (SliceView).
     return (torch.searchsorted(offsets, rows, right=True) - 1).clamp_(min=0)
+
+
+def whole_lengths(lengths: Iterable[Any] | Tensor, error: Callable[[str, str], Exception]) -> list[int]:
+    """``lengths`` as Python ints: each a whole number (an int, a NumPy int, a float with no fraction, a one-element
+    tensor of one), or ``lengths`` a 1-D tensor of them. Raises ``error(rule, detail)`` otherwise, naming the first
+    offender, rather than truncating a fraction (``int(2.7)`` is 2) or failing inside ``int()``."""
+    if isinstance(lengths, Tensor):
+        if lengths.dim() != 1:
+            raise error("must be 1-D", f"got a tensor of shape {tuple(lengths.shape)}; pass one length per document")
+        if lengths.dtype == torch.bool or lengths.dtype.is_complex:
+            raise error("must be whole numbers", f"got a {lengths.dtype} tensor; pass an integer tensor")
+        lengths = lengths.tolist()
+    elif isinstance(lengths, str | bytes) or not isinstance(lengths, Iterable):
+        raise error("must be a sequence of whole numbers", f"got {type(lengths).__name__}; pass a list or a tensor")
+    lengths = list(lengths)
+    if all(type(n) is int for n in lengths):  # the common case, and an integer tensor's .tolist()
+        return lengths
+    out = []
+    for i, n in enumerate(lengths):
+        value = _whole_number(n)
+        if value is None:
+            raise error(
+                "must be whole numbers",
+                f"lengths[{i}] is {n!r}; pass one integer token count per document, rounded or cast to int",
+            )
+        out.append(value)
+    return out
+
+
+def _whole_number(n: Any) -> int | None:
+    if isinstance(n, Tensor):
+        if n.numel() != 1 or n.dtype == torch.bool:
+            return None
+        n = n.item()
+    if isinstance(n, bool):  # an int to Python, but no length
+        return None
+    try:
+        return operator.index(n)
+    except TypeError:
+        pass
+    if isinstance(n, numbers.Real):
+        f = float(n)
+        if math.isfinite(f) and f.is_integer():
+            return int(f)
+    return None
 
 
 def _offsets(lengths: Sequence[int], ghost_slots: int) -> tuple[int, ...]:
