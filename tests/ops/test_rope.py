@@ -107,3 +107,25 @@ def test_rejects_bad_inputs():
         apply_rope_thd(torch.randn(6, 8), params)
     with pytest.raises(ValueError, match="position_ids"):
         apply_rope_thd(torch.randn(6, 2, 4), params, position_ids=torch.arange(5))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(x=torch.ones(6, 2, 4, dtype=torch.int64)), "x must be floating point"),
+        (dict(position_ids=torch.arange(6).reshape(2, 3)), r"position_ids must be \[6\] or \[1, 6\]"),
+        (dict(position_ids=torch.arange(6).reshape(3, 2)), r"position_ids must be \[6\] or \[1, 6\]"),
+        (dict(position_ids=torch.arange(6.0)), "position_ids must be an integer tensor"),
+        (dict(base=0.0), "base must be a finite number > 0"),
+        (dict(base=-10000.0), "base must be a finite number > 0"),
+        (dict(base=float("inf")), "base must be a finite number > 0"),
+        (dict(base=float("nan")), "base must be a finite number > 0"),
+    ],
+)
+def test_rejects_inputs_it_would_round_reshape_or_turn_to_nan(kwargs, match):
+    # Issue #31 item 7: an int x came back rounded, [2, 3] position_ids were flattened, base=0 gave NaN.
+    params = PackedSeqParams.from_seqlens([3, 3])
+    x = kwargs.pop("x", torch.randn(6, 2, 4))
+    with pytest.raises(ValueError, match=match) as e:
+        apply_rope_thd(x, params, **kwargs)
+    assert str(e.value).startswith("apply_rope_thd: ") and "\n" not in str(e.value)

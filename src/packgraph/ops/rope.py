@@ -8,6 +8,9 @@ keep counting from their slot's start; they are dead rows that attention zeroes,
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -56,27 +59,44 @@ def apply_rope_thd(
     ``inv_freq[i] = base ** (-2i / D)`` and ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``.
 
     Args:
-        x: ``[T, H, D]``, any float dtype; the result has x's dtype and shape.
+        x: ``[T, H, D]``, a floating-point dtype; the result has x's dtype and shape.
         packed_seq_params: gives positions that restart at each sequence start (see :func:`rope_positions`).
-        base: RoPE base (static).
-        position_ids: optional ``[T]`` (or ``[1, T]``) positions on x's device that override the params' ones,
-            e.g. global positions under context parallelism.
+        base: RoPE base (static), finite and > 0.
+        position_ids: optional integer ``[T]`` (or ``[1, T]``) positions on x's device that override the params'
+            ones, e.g. global positions under context parallelism.
+
+    Raises:
+        ValueError: naming the argument: ``x`` not ``[T, H, D]`` floating point or ``D`` odd, ``base`` not finite
+            and positive, ``position_ids`` not an integer ``[T]``/``[1, T]`` tensor on x's device.
 
     Angles and the rotation are computed in float32 (float64 for float64 input) and cast back. Differentiable,
     graph-safe (no host sync).
     """
     if x.dim() != 3:
         raise ValueError(f"apply_rope_thd: x must be [tokens, heads, head_dim], got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        # The rotation is cast back to x's dtype: an integer x would come back rounded.
+        raise ValueError(f"apply_rope_thd: x must be floating point, got {x.dtype}; cast it (x.float()) first")
     t, _, d = x.shape
     if d % 2:
         raise ValueError(f"apply_rope_thd: head_dim must be even, got {d}")
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not (math.isfinite(base) and base > 0):
+        # base ** (-2i / D): a base of 0 gives inf frequencies and NaN rotations.
+        raise ValueError(f"apply_rope_thd: base must be a finite number > 0, got {base!r} (RoPE uses 10000.0)")
     if position_ids is None:
         if packed_seq_params.cu_seqlens_q.device != x.device:
             raise ValueError(f"apply_rope_thd: params on {packed_seq_params.cu_seqlens_q.device}, x on {x.device}")
         positions = rope_positions(packed_seq_params, t)
     else:
-        if position_ids.numel() != t or position_ids.dim() not in (1, 2):
-            raise ValueError(f"apply_rope_thd: position_ids must be [{t}] or [1, {t}], got {tuple(position_ids.shape)}")
+        if tuple(position_ids.shape) not in ((t,), (1, t)):
+            raise ValueError(
+                f"apply_rope_thd: position_ids must be [{t}] or [1, {t}] (one per row of x), got "
+                f"{tuple(position_ids.shape)}"
+            )
+        if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+            raise ValueError(
+                f"apply_rope_thd: position_ids must be an integer tensor, got {position_ids.dtype}; pass .long()"
+            )
         if position_ids.device != x.device:
             raise ValueError(f"apply_rope_thd: position_ids on {position_ids.device}, x on {x.device}")
         positions = position_ids.reshape(t)
