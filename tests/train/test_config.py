@@ -16,3 +16,40 @@ def test_config_validation():
         TrainConfig(capacity_ladder=(8, 8)).validate()
     with pytest.raises(ValueError, match="CUDA"):
         train(TrainConfig(graphs=True, device="cpu", steps=1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=float("inf")), r"lr \(--lr\) must be a finite number > 0, got inf"),  # trained to NaN losses, rc 0
+        (dict(lr=float("nan")), r"lr \(--lr\) must be a finite number > 0, got nan"),
+        (dict(lr=0.0), r"lr \(--lr\) must be a finite number > 0"),
+        (dict(chunk_len=10, min_chunk_len=100), r"min_chunk_len \(--min-chunk-len, default 64\) is 100 but chunk_len"),
+    ],
+)
+def test_config_rejects_an_infinite_lr_and_a_chunk_len_below_min_chunk_len(kwargs, match):
+    # Issue #31 item 7: both were accepted without comment.
+    with pytest.raises(ValueError, match=match) as e:
+        TrainConfig(**kwargs).validate()
+    assert "\n" not in str(e.value)
+    TrainConfig(chunk_len=100, min_chunk_len=100).validate()  # equal is fine
+    TrainConfig(chunk_len=None, min_chunk_len=100).validate()  # no chunk_len: the stream clamps to the top rung
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lr", "inf"], "lr (--lr) must be a finite number > 0, got inf"),
+        (["--chunk-len", "10", "--min-chunk-len", "100"], "pass --min-chunk-len <= 10 or --chunk-len >= 100"),
+    ],
+)
+def test_train_cli_reports_the_config_error_in_one_line_and_exits_2(tmp_path, capsys, flags, message):
+    # Here rather than in tests/test_cli.py: the CLI passes TrainConfig.validate's ValueError on as its error line.
+    from packgraph.cli import main
+
+    out_dir = tmp_path / "run"
+    code = main(["train", "--device", "cpu", "--steps", "1", "--out-dir", str(out_dir), *flags])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err.startswith("packgraph: error: ") and message in err and err.count("\n") == 1, err
+    assert "Traceback" not in out + err and not out_dir.exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +69,12 @@ class TrainConfig:
         need(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
         need(self.T >= 2, f"T (rows per micro-batch) must be >= 2, got {self.T}")
         need(self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}")
-        need(self.lr > 0 and 0 <= self.min_lr_ratio <= 1, "lr must be > 0 and min_lr_ratio in [0, 1]")
+        # nan and inf fail these comparisons or pass them: isfinite rules both out (an inf lr trains to NaN losses).
+        need(
+            math.isfinite(self.lr) and self.lr > 0,
+            f"lr (--lr) must be a finite number > 0, got {self.lr}; pass a learning rate such as 1e-3",
+        )
+        need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
         need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
         need(self.scope in SCOPES, f"scope must be one of {SCOPES}, got {self.scope!r}")
@@ -77,6 +83,14 @@ class TrainConfig:
         need(
             self.min_chunk_len is None or self.min_chunk_len >= 2,
             f"min_chunk_len must be >= 2, got {self.min_chunk_len}",
+        )
+        # Without chunk_len the longest piece is the largest max_seqlen rung, and the data stream clamps
+        # min_chunk_len to it; a chunk_len below min_chunk_len is a contradiction, reported rather than clamped.
+        need(
+            self.chunk_len is None or self.min_chunk_len is None or self.min_chunk_len <= self.chunk_len,
+            f"min_chunk_len (--min-chunk-len, default {_DEFAULT_MIN_CHUNK_LEN}) is {self.min_chunk_len} but chunk_len "
+            f"(--chunk-len) is {self.chunk_len}: documents are cut into pieces of min_chunk_len to chunk_len tokens; "
+            f"pass --min-chunk-len <= {self.chunk_len} or --chunk-len >= {self.min_chunk_len}",
         )
         need(self.pad_to_multiple >= 1, f"pad_to_multiple must be >= 1, got {self.pad_to_multiple}")
         need(self.algorithm in PACKING_ALGORITHMS, f"algorithm must be one of {PACKING_ALGORITHMS}")
@@ -98,6 +112,9 @@ class TrainConfig:
 
     def model_config(self) -> GPTConfig:
         return GPTConfig.preset(self.preset, vocab_size=VOCAB_SIZE, **self.model_overrides)
+
+
+_DEFAULT_MIN_CHUNK_LEN = TrainConfig.__dataclass_fields__["min_chunk_len"].default
 
 
 def resolve_device(name: str) -> torch.device:
