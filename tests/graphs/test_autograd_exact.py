@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from packgraph.buckets import default_buckets
-from packgraph.graphs import GraphOrderError
 from packgraph.graphs.capture import capture_layers_with, capture_with
 from packgraph.models.gpt import Block, GPTConfig
 from packgraph.ops import varlen_attention
@@ -313,15 +312,62 @@ def test_zero_grad_without_set_to_none_and_micro_batches_match_eager():
     _same_grads(got[1], got[0])
 
 
-def test_a_view_of_an_output_kept_across_calls_is_refused_not_overwritten():
+def test_views_and_detached_aliases_of_outputs_kept_across_calls_keep_their_values():
+    """Eager keeps every tensor a caller holds: a slice, a ``.detach()``, a view of a view, a tensor autograd saved
+    from an output. Each keeps its values through later replays that rewrite the graph's memory."""
     block = _block()
     p = _params([10, 20, 5])
-    graphed = capture_with(EagerRecorder(), block, (_x(0), p), forward_only=True)
-    with torch.no_grad():
-        first = graphed(_x(1), p)[:4]  # a view the engine cannot move
-        with pytest.raises(GraphOrderError, match="still referenced"):
-            graphed(_x(2), p)
-        torch.testing.assert_close(first, block(_x(1), p)[:4])
+    for forward_only in (True, False):
+        graphed = capture_with(EagerRecorder(), block, (_x(0), p), forward_only=forward_only)
+        kept, want = [], []
+        for i in range(1, 4):
+            out = graphed(_x(i), p)
+            kept += [out[:4], out.detach(), out.detach()[2:].t()[1:], out.detach().view(-1)]
+            want += [t.detach().clone() for t in kept[-4:]]
+            squared = (out * out).sum()  # autograd saves ``out`` itself for this product's backward
+            if not forward_only:
+                squared.backward()  # reads the saved output after the loss: eager's values
+                block.zero_grad(set_to_none=True)
+        for i in range(1, 4):
+            eager = block(_x(i), p).detach()
+            views = [eager[:4], eager, eager[2:].t()[1:], eager.view(-1)]
+            for t, w in zip(kept[4 * (i - 1) : 4 * i], views, strict=True):
+                torch.testing.assert_close(t, w, rtol=0, atol=0)
+        for t, w in zip(kept, want, strict=True):
+            torch.testing.assert_close(t, w, rtol=0, atol=0)
+
+
+class _LossOf(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, p):
+        return _loss(self.block(x, p))
+
+
+def test_a_loss_detached_for_logging_before_backward_keeps_its_value():
+    """``logged = loss.detach(); loss.backward()`` on a graphed loss: the backward writes no memory the loss lives
+    in, so it neither refuses the alias nor copies it; the next forward moves it to memory of its own first."""
+    block = _block()
+    p = _params([10, 20, 5])
+    graphed = capture_with(EagerRecorder(), _LossOf(block), (_x(0), p))
+    book = graphed.group.handouts
+    logged, grads = [], []
+    for i in range(1, 5):
+        block.zero_grad(set_to_none=True)
+        loss = graphed(_x(i), p)
+        logged.append(loss.detach())
+        record = next(iter(book._by_owner[graphed.uid]))
+        loss.backward()
+        assert record.held()  # not copied by the backward
+        grads.append(_grads(block))
+    for i in range(1, 5):
+        block.zero_grad(set_to_none=True)
+        loss = _loss(block(_x(i), p))
+        loss.backward()
+        torch.testing.assert_close(logged[i - 1], loss.detach(), rtol=0, atol=0)
+        _same_grads(grads[i - 1], _grads(block))
 
 
 def test_layers_chained_in_a_stack_match_eager_over_steps_and_buckets():

@@ -22,6 +22,13 @@ def _entries(graphed):
     return list(graphed.cache.values())
 
 
+def _param_records(entry):
+    """``[(parameter, the record of its grad)]`` of an entry's backward results."""
+    n_in = len(entry.grad_positions)
+    pairs = zip(entry.trainable, entry.grad_records[n_in:], strict=True)
+    return [(p, r) for p, r in pairs if r is not None]
+
+
 def test_idle_grads_are_released_at_the_next_new_signature_and_held_ones_are_not():
     block = _block()
     graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]))
@@ -30,12 +37,12 @@ def test_idle_grads_are_released_at_the_next_new_signature_and_held_ones_are_not
     held = block.attn.qkv.weight.grad
     _loss(graphed(_x(2), SIGS["B"])).backward()  # B captured now; every p.grad still holds A's grads
     a, b = _entries(graphed)
-    a_params = [r for r in a.grad_records if r is not None and r.params]
-    assert a_params and not any(r.released_at is not None for r in a_params)
+    a_params = _param_records(a)
+    assert a_params and not any(r.released_at is not None for _, r in a_params)
     block.zero_grad(set_to_none=True)
     assert held.data_ptr() != 0  # the caller's tensor survives zero_grad, and keeps its memory
     _loss(graphed(_x(3), SIGS["C"])).backward()  # C captured: B's grads are idle, A's qkv grad is not
-    qkv = [r for r in a_params if r.params[0] is block.attn.qkv.weight]
+    qkv = [r for p, r in a_params if p is block.attn.qkv.weight]
     assert len(qkv) == 1 and qkv[0].released_at is None
     assert all(r.released_at is not None for r in b.grad_records if r is not None)
     del held
@@ -184,8 +191,8 @@ def test_a_held_released_grad_survives_evictions_and_rebinds():
         block.zero_grad(set_to_none=True)
         _loss(graphed(_x(i), SIGS[name])).backward()
         if i == 2:  # A's grads were released at B's capture: this one is a view of released memory
-            records = [r for e in graphed.cache.values() for r in e.grad_records if r is not None and r.params]
-            record = next(r for r in records if r.params[0] is down and r.ptr == down.grad.data_ptr())
+            records = [r for e in graphed.cache.values() for p, r in _param_records(e) if p is down]
+            record = next(r for r in records if r.static.data_ptr() == down.grad.data_ptr())
             assert record.released_at is not None
         if i >= 2:  # (holding the first two would keep A's and B's grads from being released at all)
             held.append(down.grad)  # C's capture, then B's recapture after A's eviction, may reuse it

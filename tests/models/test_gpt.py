@@ -251,6 +251,30 @@ def test_graphed_wrapper_wiring_equals_eager_on_a_cpu_stand_in(scope):
         torch.testing.assert_close(got[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
 
 
+@pytest.mark.parametrize("scope", SCOPES)
+def test_the_logging_pattern_keeps_each_loss_as_eager(scope):
+    """``_, loss = graphed(batch); logged = loss.detach(); loss.backward()``, the commonest logging line of a
+    training loop, with the detached losses kept in a list across steps: each is its step's eager loss."""
+    model = make_model()
+    batches = graph_batches()
+    with use_recorder(EagerRecorder()):
+        graphed = model.graphed(scope=scope)
+        logged, grads = [], []
+        for b in batches + batches:
+            model.zero_grad(set_to_none=True)
+            _, loss = graphed(b)
+            logged.append(loss.detach())
+            loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for i, b in enumerate(batches + batches):
+        model.zero_grad(set_to_none=True)
+        _, want = model(b)
+        want.backward()
+        torch.testing.assert_close(logged[i], want.detach(), rtol=1e-12, atol=1e-12)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(grads[i][n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
+
+
 def test_graphed_layers_capture_a_new_bucket_before_the_embedding(monkeypatch):
     """Scope ``"layer"``: a training call with a new bucket captures the block stack before it embeds the tokens
     (``GraphedCallable.capture_ahead``), so the capture never holds the embedding beside the stack's input buffer.

@@ -2,7 +2,7 @@
 
 * :func:`capture` one callable; :func:`capture_layers` a layer stack into one memory pool.
 * :class:`GraphSignatureError`: a call does not match its graph's static signature (``on_mismatch="error"``).
-* :class:`GraphOrderError`: a replay would overwrite memory a pending backward or a held tensor still needs.
+* :class:`GraphOrderError`: a replay would overwrite memory a pending backward still needs.
 * :func:`find_host_syncs` / :class:`HostSync`: what stops a callable from being captured, line by line.
 * :func:`on_graph_stream`: eager code around graphed layers on their capture stream (shared cuBLAS workspaces).
 * :func:`use_recorder`: the test seam (record with a CPU stand-in instead of CUDA graphs).

@@ -105,11 +105,11 @@ class SharedBuffers:
             with torch.no_grad(), preserve_version(raw):
                 raw.set_(alias, static.storage_offset(), static.size(), static.stride())
 
-    def record(self, static: Tensor, *, seq: int, pool: Any, name: str, params: tuple[Tensor, ...] = ()) -> Handout:
+    def record(self, static: Tensor, *, seq: int, pool: Any, name: str) -> Handout:
         """The :class:`~packgraph.graphs.handouts.Handout` of ``static`` (one per tensor, shared like it)."""
         record = self._records.get(id(static))
         if record is None or record.static is not static:
-            record = Handout(static, seq=seq, owner=self.owner.uid, pool=pool, name=name, params=params)
+            record = Handout(static, seq=seq, owner=self.owner.uid, pool=pool, name=name)
             self._records[id(static)] = record
         return record
 

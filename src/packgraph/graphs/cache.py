@@ -184,6 +184,7 @@ class OutputRegistry:
 
     def __init__(self) -> None:
         self._by_ptr: dict[int, tuple[int, int, Any]] = {}
+        self._statics: dict[int, Tensor] = {}
         self._tokens = itertools.count(1)
 
     def registered(self, tensor: Tensor) -> bool:
@@ -200,7 +201,13 @@ class OutputRegistry:
         """Register ``tensor`` (a static output of ``owner``'s graph ``producer``); return its token."""
         token = next(self._tokens)
         self._by_ptr[tensor.data_ptr()] = (token, owner, None if producer is None else weakref.ref(producer))
+        self._statics[tensor.data_ptr()] = tensor
         return token
+
+    def static(self, tensor: Tensor) -> Tensor:
+        """The registered output ``tensor`` starts at (the graph's own tensor, where ``tensor`` may be a view
+        handed out of it)."""
+        return self._statics[tensor.data_ptr()]
 
     def producer(self, tensor: Tensor) -> Any:
         """The live object registered with the output ``tensor`` starts at, else None."""
@@ -211,6 +218,7 @@ class OutputRegistry:
         ptr = tensor.data_ptr()
         if self._by_ptr.get(ptr, (None,))[0] == token:
             del self._by_ptr[ptr]
+            del self._statics[ptr]
 
     def lookup(self, tensor: Tensor, owner: int) -> int | None:
         """The token of the registered output ``tensor`` starts at, unless ``owner`` produced it (a graph never
@@ -248,8 +256,8 @@ class CaptureGroup:
         self.handouts = HandoutBook()
         self.slots = ChainGradSlots(cuda=isinstance(getattr(recorder, "stream", None), torch.cuda.Stream))
         self._stack: list[weakref.ref] = []
-        # Handed-out views of released memory are safe only while the pool lives: move them before it goes.
-        weakref.finalize(self, self.handouts.settle_released)
+        # Handed-out views do not keep the graphs' memory allocated: move their holders before it goes.
+        weakref.finalize(self, self.handouts.settle_all)
         weakref.finalize(self, self.slots.close)
 
     def chain_grads(self, chained: dict[int, Tensor], grad_outputs: list) -> dict[int, Handout]:

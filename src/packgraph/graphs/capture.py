@@ -16,11 +16,12 @@ What is autograd-exact, and what is not:
 * **Exact.** Outputs, input grads and parameter grads are eager's, and so is how ``.grad`` changes: grads reach
   autograd's ``AccumulateGrad`` (a first grad is adopted without a copy, later ones are added), so
   ``torch.autograd.grad``, ``backward(inputs=...)``, parameters frozen or unfrozen after capture, gradient hooks
-  and micro-batches behave as in eager. Outputs and grads handed out are views of graph memory; a later replay
-  moves any that are still held to memory of their own first (:mod:`packgraph.graphs.handouts`).
+  and micro-batches behave as in eager. Outputs and grads handed out are views of graph memory; whatever still
+  holds one (the tensor, a ``.detach()`` or a slice of it, a ``.grad``, a tensor autograd saved) is moved to a
+  copy of its own before a replay writes that memory (:mod:`packgraph.graphs.handouts`).
 * **Refused, with an error that says what to do:** double backward (``create_graph=True``); a forward of a graph
   whose previous backward is pending, or any replay that would overwrite memory a pending backward needs
-  (:class:`~packgraph.graphs.order.GraphOrderError`); a view of a handed-out tensor kept across replays.
+  (:class:`~packgraph.graphs.order.GraphOrderError`).
 * **Not replayed:** Python side effects of the callable and of its module hooks run at capture only (the work they
   record is replayed). Tensors must reach the callable as arguments (possibly inside lists, tuples, dicts) or as
   module parameters and buffers: a tensor hidden in another object or a closure is a graph constant.
@@ -51,9 +52,7 @@ Other rules:
 
 from __future__ import annotations
 
-import functools
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -130,9 +129,6 @@ class GraphedCallable:
         registry = group.outputs
         self._chain_of = None if registry is None else (lambda t: registry.lookup(t, self.uid))
         self._device_type = group.recorder.device_type
-        self.grad_records: dict[int, Any] = {}  # id(param) -> the Handout of the grad last returned for it
-        self._hooks: list[Any] = []  # refilled by each _scan_slots; removed with this callable
-        weakref.finalize(self, _remove_hooks, self._hooks)
         self._scan_slots()
 
     # ---------------------------------------------------------------- parameters
@@ -150,12 +146,6 @@ class GraphedCallable:
                         params.append(t)
         self._slots = slots
         self.params = params
-        _remove_hooks(self._hooks)
-        if not self.forward_only:
-            # AccumulateGrad adopts a first grad as a tensor of its own; the hook tells the book which one, so a
-            # .grad kept after zero_grad (a list of grads, say) is moved off graph memory, not overwritten.
-            me = weakref.ref(self)
-            self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(_adopted, me)) for p in params]
 
     def _frozen(self) -> tuple[int, ...]:
         """Indices of the parameters that do not require grad now (part of the signature). Also checks, on the
@@ -332,19 +322,6 @@ class GraphedCallable:
         return f"GraphedCallable({self.name}, graphs={self.num_graphs}, captures={self.captures})"
 
 
-def _adopted(owner: weakref.ref, param: Tensor) -> None:
-    graphed = owner()
-    record = None if graphed is None else graphed.grad_records.get(id(param))
-    if record is not None:
-        record.adopted(param)
-
-
-def _remove_hooks(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-
-
 DEFAULT_MAX_GRAPHS = 8
 """Cache bound of a callable captured without a bucket policy (with one, the policy bounds the signatures)."""
 
@@ -482,8 +459,8 @@ def capture(
     """Capture ``fn_or_module`` into CUDA graphs (forward, and backward unless ``forward_only``).
 
     Autograd-exact: outputs, grads and when ``.grad`` changes are eager's (``autograd.grad``, ``backward(inputs=)``,
-    frozen parameters, hooks, micro-batches), and tensors handed out stay valid. Refused with an error: double
-    backward, a forward while its graph's backward is pending. Python side effects run at capture only.
+    frozen parameters, hooks, micro-batches), and tensors handed out keep their values. Refused with an error:
+    double backward, a forward while its graph's backward is pending. Python side effects run at capture only.
 
     Args:
         fn_or_module: an ``nn.Module`` (its parameters are trained), a bound method of one, or a function.

@@ -60,7 +60,6 @@ class Owner(Protocol):
     group: Any  # its capture group: recorder, pool, capture numbers, entries in flight, output registry
     buffers: Any  # its SharedBuffers
     cache: Any  # signature -> Entry
-    grad_records: dict[int, Handout]  # id(parameter) -> the record of the grad last handed out for it
     debug: bool
     forward_only: bool
     num_warmup_iters: int
@@ -89,6 +88,10 @@ class Entry:
         self.pool: Any = recorder.pool if hasattr(recorder, "pool") else None
         if any(o.in_flight and freed_at(o) < float("inf") for o in owner.group.in_flight.values()):
             self.pool = recorder.new_pool() if hasattr(recorder, "new_pool") else object()
+        # A new signature's capture writes the callable's shared buffers before any replay (the call's inputs are
+        # loaded into them below; a stand-in recorder's capture writes its outputs): what is handed out on them
+        # moves to memory of its own first.
+        owner.group.handouts.settle_owner(owner.uid)
         self.tokens: list[tuple[Tensor, int]] = []
         self.capture_seconds = 0.0
         keys = dyn_keys(key)
@@ -106,12 +109,12 @@ class Entry:
                 continue
             recorder.check_input(item)
             if is_chained(k):
-                buf = item.detach()  # the producer graph's output itself: read in place, never copied
+                # The producer graph's output itself, read in place, never copied (the item may be a view handed
+                # out of it, whose handle the engine must not hold).
+                buf = owner.group.outputs.static(item).detach()
                 producer = owner.group.outputs.producer(item)
-                if producer is not None:
-                    if i == 0:
-                        producer.consumer = weakref.ref(self)  # its backward reads our input-grad buffer in place
-                    producer.pin(buf)
+                if producer is not None and i == 0:
+                    producer.consumer = weakref.ref(self)  # its backward reads our input-grad buffer in place
             else:
                 buf = owner.buffers.get(("input", i), item)
                 self.load_plan.append((i, -1, buf, buf.data_ptr()))
@@ -245,7 +248,6 @@ class Entry:
                 self.static_grad_outputs[j] = owner.buffers.get(("grad_output", j), self.raw_outputs[j], zero=True)
         self.grad_plan = [(j, g, g.data_ptr()) for j, g in enumerate(self.static_grad_outputs) if g is not None]
         pattern: list[bool] = []
-        before = [r.refs() for r in self.out_records]
         n_in = len(self.grad_positions)
         pairs = zip(self.grad_positions, self.chained_grad_inputs, strict=True)
         chained = {i: self.static_inputs[i] for i, c in pairs if c}
@@ -279,8 +281,6 @@ class Entry:
 
         self.bwd_graph, kept = owner.group.recorder.record(body, pool=self.pool)
         self.bwd_seq = owner.group.next_seq()
-        for record, n in zip(self.out_records, before, strict=True):
-            record.forget_released(n)  # the forward capture's autograd graph is gone now
         if not retain:
             self._drop_raw_outputs()
         it = iter(kept)
@@ -300,9 +300,7 @@ class Entry:
                 self.grad_records.append(None)
                 continue
             what = f"grad of input {self.grad_positions[k]}" if k < n_in else "parameter grad"
-            params = () if k < n_in else (self.trainable[k - n_in],)
-            name = f"{what} of {owner.name}"
-            record = Handout(g, seq=self.bwd_seq, owner=id(self), pool=self.pool, name=name, params=params)
+            record = Handout(g, seq=self.bwd_seq, owner=id(self), pool=self.pool, name=f"{what} of {owner.name}")
             owner.group.handouts.track(record)
             self.grad_records.append(record)
 
@@ -353,15 +351,6 @@ class Entry:
         """Its forward replayed with autograd recording and its backward has not run (the graph is still alive)."""
         return self.flight is not None and self.flight() is not None
 
-    def pin(self, view: Tensor) -> None:
-        """``view`` (a consumer graph's input) shares one of our outputs for as long as it lives: it is the engine's
-        own reference, not a caller's, so the output's :class:`~packgraph.graphs.handouts.Handout` counts it."""
-        for record in self.out_records:
-            if record.static.data_ptr() == view.data_ptr():
-                record.baseline += 1
-                weakref.finalize(view, record.unpin)
-                return
-
     def grad_input_buffer(self, dyn_index: int) -> Tensor | None:
         """The static grad of dynamic input ``dyn_index``, when a graph captured later may read it in place: only
         a chained one (pinned; a released one may share its memory with that graph's). None otherwise."""
@@ -385,8 +374,9 @@ class Entry:
         check_replay_order(self, seq, what)
         owners = (self.owner.uid, id(self))
         if what == "backward":
-            # the chained grad buffers it writes: the one of its input grad, and the one its output grad is copied into
-            owners += tuple(r.owner for r in (*self.chain_records.values(), *self.grad_output_records))
+            # Its own grads and the chained grad buffers it writes (the one of its input grad, and the one its output
+            # grad is copied into), not the outputs: only forwards write those.
+            owners = (id(self), *(r.owner for r in (*self.chain_records.values(), *self.grad_output_records)))
         else:
             self.owner.group.slots.give_back()  # a forward: the stack's backward is over (or not started)
         self.owner.group.handouts.before_replay(seq, owners, self.pool)
@@ -424,7 +414,7 @@ class Entry:
         it = iter(outs)
         return pytree.tree_unflatten([next(it) if v is _OUT else v for v in self.out_template], self.out_spec)
 
-    def replay_backward(self, grads: tuple, stored: list) -> list:
+    def replay_backward(self, grads: tuple) -> list:
         for j, buf, ptr in self.grad_plan:
             g = grads[j]
             if g is None:
@@ -443,16 +433,10 @@ class Entry:
                 # Chained but not in the shared buffer (another layout): read in place; or no grad.
                 chained = self.static_grad_inputs[k] if k < n_in else None
                 out.append(chained.detach() if chained is not None else None)
-            elif k >= n_in:
-                # A parameter: AccumulateGrad adopts or adds it; the owner's hook tells the book what it adopted.
-                self.owner.grad_records[id(self.trainable[k - n_in])] = record
-                out.append(book.hand_out(record))
-            elif stored[k] is not None and stored[k].grad is not None:
-                out.append(book.hand_out(record))  # AccumulateGrad adds it into the leaf's .grad, then drops it
             else:
-                # A leaf's first grad, or another op's input: autograd may keep it (adopted as some leaf's .grad,
-                # through views) where packgraph cannot find it again, so autograd gets a copy.
-                out.append(record.static.clone())
+                # AccumulateGrad adopts it as a first .grad or adds it into one; another op's backward reads it.
+                # Whatever keeps it keeps the record's handle, which the next replay that writes it settles.
+                out.append(book.hand_out(record))
         return out
 
 
@@ -488,9 +472,6 @@ class Replay(torch.autograd.Function):
         entry.owner.group.in_flight[id(entry)] = entry
         ctx.entry = entry
         ctx.set_materialize_grads(False)
-        n_in = len(entry.grad_positions)
-        # The leaf inputs: at backward, one that has a .grad by then adds the handed-out grad into it (no copy).
-        ctx.stored = [t if t.is_leaf else None for t in grad_tensors[:n_in]]
         outs = tuple(entry.hand_out_outputs())
         if entry.nondiff:
             ctx.mark_non_differentiable(*[outs[j] for j in entry.nondiff])
@@ -511,5 +492,4 @@ class Replay(torch.autograd.Function):
         if entry.bwd_graph is None:
             entry.capture_backward_late()
         entry.before_replay(entry.bwd_seq, "backward")
-        stored, ctx.stored = ctx.stored, None
-        return (None, None, *entry.replay_backward(grads, stored))
+        return (None, None, *entry.replay_backward(grads))

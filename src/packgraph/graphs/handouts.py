@@ -4,16 +4,15 @@ A replay writes fixed addresses. The engine hands those addresses to the caller 
 are views of the graph's static outputs, and the grads its backward returns to autograd are views of the backward
 graph's static results, which autograd's ``AccumulateGrad`` adopts as ``p.grad`` (or ``x.grad``) when there is none
 yet, as eager adopts a fresh grad. Eager would keep each of those tensors unchanged for as long as somebody holds
-it; a later replay would not. The :class:`HandoutBook` closes that gap. Before a replay that may write a handed-out
-storage, every tensor still holding it is moved, in place and with its data, to memory of its own:
+it; a later replay would not. The :class:`HandoutBook` closes that gap.
 
-* the tensors the engine created (outputs, grads returned to autograd), by weak reference;
-* ``.grad`` of the parameters the grads were returned for, and the tensor ``AccumulateGrad`` adopted as a first
-  ``.grad`` (a post-accumulate-grad hook reports it), kept by the caller after ``zero_grad`` or not;
-
-with ``Tensor.set_`` under a preserved version counter, so object identity, values and saved-tensor checks are
-those eager would see. A storage still referenced after that (a view the caller made, ``t.detach()`` kept in a
-list) cannot be moved: the replay raises :class:`~packgraph.graphs.order.GraphOrderError` instead of overwriting it.
+Views are handed out on a *handle*: a second storage over the graph's memory that does not own it. Every tensor
+made from a handed-out view shares the handle (``.detach()``, slices, the ``.grad`` that ``AccumulateGrad`` adopts,
+a tensor autograd saved), and no tensor of the engine does, so the handle's reference count says exactly whether
+anybody still holds the memory. Before a replay that may write it, a held handle is *settled*: the memory is copied
+into a fresh block and the handle swapped onto the copy (``UntypedStorage._swap_data_ptr_``). Every holder, known to
+packgraph or not, then keeps its values in memory of its own, with its identity and autograd version unchanged, as
+eager's tensors would; the replay writes only the graph's memory. Nobody holding the handle, nothing is copied.
 
 Which replays may write a storage: the graph that owns it (and the other signatures of the same callable, which
 share its buffers), any graph of the same pool captured before the storage was allocated (its temporaries may lie
@@ -25,14 +24,17 @@ check costs one reference count per handed-out storage per step, on the host.
 Released storages. A backward graph's results (parameter and input grads) are live in a step from that backward
 until the optimizer has read them; eager frees them at ``zero_grad``. Pinned by the engine, they would stay
 allocated while a later signature (a new bucket) is captured, and its forward would need a second activation set
-beside them. So when a new signature's forward is captured, every backward result that nobody but the engine holds
-is released (:meth:`HandoutBook.release_idle`): the engine keeps an alias that does not own the memory, the block
-goes back to the pool, and the new capture may place its tensors there, as eager's allocator would. The graph still
-writes those addresses at replay, so a released storage handed out later is settled before any replay of a graph
-captured after its release, and before any capture into its pool (whose allocations may land on it). Nothing is
-released without ``share_activations``, nor in a pool the caller passed (other capture groups may allocate there,
-and this book does not see their captures). A chained stack's two hidden-state grad buffers are records too, written
-by every layer's backward of their slot: each such backward settles what is handed out on the slot it writes.
+beside them. So when a new signature's forward is captured, every backward result that nobody holds is released
+(:meth:`HandoutBook.release_idle`): the engine keeps an alias that does not own the memory, the block goes back to
+the pool, and the new capture may place its tensors there, as eager's allocator would. The graph still writes those
+addresses at replay, so a released storage handed out later is settled before any replay of a graph captured after
+its release, and before any capture into its pool (whose allocations may land on it). Nothing is released without
+``share_activations``, nor in a pool the caller passed (other capture groups may allocate there, and this book does
+not see their captures). A chained stack's two hidden-state grad buffers are records too, written by every layer's
+backward of their slot: each such backward settles what is handed out on the slot it writes.
+
+A handle does not keep the graph's memory allocated, so every handle still held is settled before the engine lets
+go of a storage: when a graph is evicted or dropped, and when its capture group is collected.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from packgraph.graphs.order import GraphOrderError, preserve_version
+from packgraph.graphs.order import preserve_version
 
 __all__ = ["Handout", "HandoutBook", "unowned_storage"]
 
@@ -59,119 +61,79 @@ def unowned_storage(storage: torch.UntypedStorage) -> torch.UntypedStorage:
     return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
 
 
+def _handle_over(static: Tensor) -> Tensor:
+    """A tensor of ``static``'s geometry on a storage of its own over ``static``'s memory, owning none of it."""
+    storage = unowned_storage(static.untyped_storage())
+    handle = torch.empty(0, dtype=static.dtype, device=static.device)
+    return handle.set_(storage, static.storage_offset(), static.size(), static.stride())
+
+
 class Handout:
-    """One static storage that replays write and callers may receive views of.
+    """One static storage that replays write and callers may receive views of (module docstring).
 
     Args:
-        static: the graph's tensor (the engine keeps it; its storage is the one tracked).
+        static: the graph's tensor (the engine keeps it; views of its memory are handed out on a handle).
         seq: the capture number that allocated it.
         owner: who writes it at every replay: the callable's uid for a buffer all its signatures share (outputs),
             or one entry's for a signature's own (grads).
         pool: the memory pool it lives in.
-        name: used in errors (``"output 0 of layer[3] Block"``).
-        params: parameters whose ``.grad`` may adopt a view of it.
+        name: used in log lines and errors (``"output 0 of layer[3] Block"``).
     """
 
     __slots__ = (
-        "static",
-        "seq",
-        "owner",
-        "pool",
-        "name",
-        "params",
-        "aliases",
-        "cdata",
-        "ptr",
-        "baseline",
-        "out",
-        "released_at",
-        "__weakref__",
-    )
+        "static", "seq", "owner", "pool", "name", "out", "released_at", "_handle", "_cdata", "_baseline", "__weakref__"
+    )  # fmt: skip
 
-    def __init__(
-        self, static: Tensor, *, seq: int, owner: Any, pool: Any, name: str, params: tuple[Tensor, ...] = ()
-    ) -> None:
+    def __init__(self, static: Tensor, *, seq: int, owner: Any, pool: Any, name: str) -> None:
         self.static = static
         self.seq = seq
         self.owner = owner
         self.pool = pool
         self.name = name
-        self.params = params
-        self.aliases: list[weakref.ref] = []
-        storage = static.untyped_storage()
-        self.cdata = storage._cdata
-        self.ptr = static.data_ptr()
-        self.baseline = _storage_refs(self.cdata)  # the engine's own references, measured before any handout
         self.out = False
         self.released_at: int | None = None  # the capture number at which the engine let go of the memory
+        self._handle: Tensor | None = None
+        self._cdata = 0
+        self._baseline = 0
+
+    def alias(self) -> Tensor:
+        """A fresh view of the memory to hand out, on the handle."""
+        if self._handle is None:
+            self._handle = _handle_over(self.static)
+            self._cdata = self._handle.untyped_storage()._cdata
+            self._baseline = _storage_refs(self._cdata)  # the handle alone (and its cached Python storage)
+        return self._handle.detach()
+
+    def held(self) -> bool:
+        """Whether a tensor handed out on the memory (or made from one) is still alive."""
+        return self._handle is not None and _storage_refs(self._cdata) > self._baseline
+
+    def settle(self) -> None:
+        """Move every holder of the handle to a copy of the memory in a block of its own; the handle is not reused."""
+        if not self.held():
+            return
+        storage = self._handle.untyped_storage()
+        self._handle = None
+        copy = torch.UntypedStorage(storage.nbytes(), device=storage.device)
+        copy.copy_(storage)
+        storage._swap_data_ptr_(copy)  # the holders own the copy now; ``copy`` is left with the unowned memory
 
     def release(self, unowned: Any, seq: int) -> bool:
         """Keep the storage through an alias that does not own it (``unowned(storage, pool)``), so the pool may reuse
-        the memory in captures numbered ``seq`` and later; only when no tensor but the engine's holds it. Returns
-        whether it was released."""
-        if self.released_at is not None or _storage_refs(self.cdata) > self.baseline:
+        the memory in captures numbered ``seq`` and later; only when nobody holds it. Returns whether it was
+        released."""
+        if self.released_at is not None or self.held():
             return False
         static = self.static
         alias = unowned(static.untyped_storage(), self.pool)
         with torch.no_grad(), preserve_version(static):
             static.set_(alias, static.storage_offset(), static.size(), static.stride())
-        self.cdata = alias._cdata
-        self.baseline = _storage_refs(self.cdata)
         self.released_at = seq
-        self.aliases.clear()
         return True
 
     def exposed_to(self, seq: int) -> bool:
         """Whether a replay of a graph of the same pool captured at ``seq`` may write this storage."""
         return self.seq >= seq or (self.released_at is not None and seq > self.released_at)
-
-    def refs(self) -> int:
-        """How many tensors (the engine's and everybody else's) reference the storage now."""
-        return _storage_refs(self.cdata)
-
-    def forget_released(self, before: int) -> None:
-        """The engine dropped references of its own since ``before`` was read (the autograd graph a capture kept
-        for a late backward capture): lower the baseline by as many, so that a caller's view still counts."""
-        self.baseline -= max(0, before - self.refs())
-
-    def unpin(self) -> None:
-        self.baseline -= 1
-
-    def adopted(self, param: Tensor) -> None:
-        """``param``'s ``.grad`` was just set (a post-accumulate-grad hook): track it if it is a view of ours
-        (``AccumulateGrad`` adopts a new tensor of its own, which a caller may keep after ``zero_grad``)."""
-        g = param.grad
-        if self.out and g is not None and g.data_ptr() == self.ptr:
-            self.aliases.append(weakref.ref(g))
-
-    def alias(self) -> Tensor:
-        """A fresh view of the storage to hand out (tracked until the next replay that may write it)."""
-        view = self.static.detach()
-        self.aliases.append(weakref.ref(view))
-        return view
-
-    def settle(self) -> None:
-        """Move every known holder off the storage; raise if an unknown one is left."""
-        if _storage_refs(self.cdata) <= self.baseline:
-            return
-        ptr = self.ptr
-        holders: list[Tensor] = [a for a in (ref() for ref in self.aliases) if a is not None]
-        holders += [p.grad for p in self.params if p.grad is not None and p.grad.data_ptr() == ptr]
-        moved: set[int] = set()
-        with torch.no_grad():
-            for t in holders:
-                if id(t) in moved or t.untyped_storage()._cdata != self.cdata:
-                    continue
-                moved.add(id(t))
-                with preserve_version(t):
-                    t.set_(t.clone(memory_format=torch.preserve_format))
-        self.aliases.clear()
-        if _storage_refs(self.cdata) > self.baseline:
-            raise GraphOrderError(
-                f"the {self.name} handed out by an earlier call is still referenced by a tensor packgraph cannot "
-                "move (a view of it, or a .detach() of it kept somewhere), and this replay would overwrite that "
-                "memory. Keep a copy instead (t.clone(), or t.item() for a scalar loss)."
-            )
 
 
 class HandoutBook:
@@ -240,34 +202,32 @@ class HandoutBook:
         self._releasable[id(record)] = weakref.ref(record)
 
     def release_idle(self, unowned: Any, seq: int) -> int:
-        """Release every tracked storage that nobody but the engine holds (module docstring). Returns how many."""
+        """Release every tracked storage that nobody holds (module docstring). Returns how many."""
         released = 0
         for key, ref in list(self._releasable.items()):
             record = ref()
             if record is None or record.released_at is not None:
                 del self._releasable[key]
                 continue
-            was_out = record.out
             if record.release(unowned, seq):
                 released += 1
                 del self._releasable[key]
-                if was_out:  # handed out, but nobody holds it any more: nothing to settle
+                if record.out:  # handed out, but nobody holds it any more: nothing to settle
                     record.out = False
                     self._by_owner.get(record.owner, {}).pop(record, None)
         return released
 
-    def forget_owner(self, owner: int) -> None:
-        """Drop the records of a callable whose graphs are released (no replay writes their storages again). A
-        released storage still handed out is settled first: later captures into the pool may reuse its memory."""
+    def forget_owner(self, owner: Any) -> None:
+        """Settle and drop the records of a graph the engine lets go of (evicted, or captured for parameters that
+        moved): a handle does not keep the memory allocated, and no replay writes it for its holders any more."""
         for record in self._by_owner.pop(owner, {}):
             record.out = False
-            if record.released_at is not None:
-                record.settle()
+            record.settle()
 
-    def settle_released(self) -> None:
-        """Move every holder of a released storage to memory of its own (the group is going away, and with it
-        the pool that keeps the released memory from other allocations)."""
+    def settle_all(self) -> None:
+        """Move every holder of a handed-out storage to memory of its own: the group is going away, and with it the
+        graphs' memory."""
         # A finalizer: the garbage collector may run it inside any dispatch mode (torch.compile's FakeTensorMode,
         # while it traces), where the copies would be fake and the holders left on memory the pool gives back.
         with _disable_current_modes():
-            self._settle_others(lambda r: r.released_at is not None)
+            self._settle_others(lambda r: True)

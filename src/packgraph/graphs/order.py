@@ -31,7 +31,7 @@ __all__ = ["GraphOrderError", "check_replay_order", "freed_at", "preserve_versio
 
 
 class GraphOrderError(RuntimeError):
-    """A replay would overwrite memory that a pending backward, or a tensor handed out earlier, still needs."""
+    """A replay would overwrite memory that a pending backward still needs."""
 
 
 def preserve_version(t: Tensor) -> contextlib.AbstractContextManager:

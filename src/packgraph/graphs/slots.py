@@ -28,12 +28,9 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from packgraph.graphs.handouts import Handout
-from packgraph.graphs.order import GraphOrderError
 
 __all__ = ["ChainGradSlots", "release_spare_pools"]
 
-# Blocks whose group went away while a caller still held a tensor on them: kept, so that tensor stays valid.
-_KEPT_FOR_HOLDERS: list[Any] = []
 # The pools of closed groups' blocks, by (device, segment size), for the next block of that segment size. A pool
 # destroyed by the garbage collector aborted the process once (inside a warm-up that routes allocations to a graph
 # pool, with the pool's block still allocated), so pools are destroyed only by release_spare_pools(), at a point the
@@ -198,7 +195,7 @@ class ChainGradSlots:
         allocated, and the backward that next writes it moves that tensor first)."""
         if not self._lent or not self._records:
             return
-        if any(r.refs() > r.baseline for r in self._records.values()):
+        if any(r.held() for r in self._records.values()):
             return
         # A group's slots are all in lent blocks (CUDA with MemPool) or all tensors of their own (see record()).
         for block in self._blocks.values():
@@ -212,19 +209,12 @@ class ChainGradSlots:
 
     def close(self) -> None:
         """The group is going away, and with it the blocks: move every tensor still handed out on them to memory of
-        its own, then free each block before its pool. A tensor that cannot be moved (a view kept somewhere) keeps
-        the blocks and their pools for the process's lifetime instead of reading freed memory."""
+        its own, then free each block before its pool."""
         # A finalizer: the garbage collector may run it inside a dispatch mode (torch.compile's FakeTensorMode),
         # where the copies would be fake.
         with _disable_current_modes():
-            if self._lent:
-                for r in self._records.values():
-                    try:
-                        r.settle()
-                    except GraphOrderError:
-                        _KEPT_FOR_HOLDERS.extend(self._blocks.values())
-                        self._blocks = {}
-                        return
+            for r in self._records.values():
+                r.settle()
         for block in self._blocks.values():
             block.close()
         self._blocks = {}
