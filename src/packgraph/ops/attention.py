@@ -143,9 +143,12 @@ def varlen_attention_reference(
 ) -> Tensor:
     """Exact varlen attention with a block-diagonal (causal) mask built on the device.
 
-    Same contract as :func:`varlen_attention` (module docstring). Computes in the input dtype, upcast to
-    float32 for half types. Memory is O(Hq * Tq * Tk): meant for tests, CPU training with small T, and
-    shapes FlashAttention does not take. Differentiable; graph-safe (no host sync).
+    Same contract as :func:`varlen_attention` (module docstring). Sequences stay apart as in FlashAttention:
+    each sequence's output and gradients read only its own rows, so NaN/Inf in another sequence or in dead rows
+    never reaches it, and dead rows still get exact zeros; within a sequence a non-finite value spreads only
+    along the pairs the (causal) mask allows. Computes in the input dtype, upcast to float32 for half types.
+    Memory is O(Hq * Tq * Tk): meant for tests, CPU training with small T, and shapes FlashAttention does not
+    take. Differentiable once (no double backward); graph-safe (no host sync).
     """
     _check_inputs(q, k, v, packed_seq_params)
     return _reference_attention(q, k, v, packed_seq_params, causal=causal, softmax_scale=softmax_scale)
@@ -155,28 +158,85 @@ def _reference_attention(
     q: Tensor, k: Tensor, v: Tensor, packed_seq_params: PackedSeqParams, *, causal: bool, softmax_scale: float | None
 ) -> Tensor:
     rows_q, rows_k = _row_layouts(q, k, packed_seq_params)
-    mask = (rows_q.slot[:, None] == rows_k.slot[None, :]) & rows_q.live[:, None] & rows_k.live[None, :]
+    visible = (rows_q.slot[:, None] == rows_k.slot[None, :]) & rows_q.live[:, None] & rows_k.live[None, :]
     if causal:
         # Bottom-right alignment (FA2): shift = len_kv - len_q of the query's own sequence.
         len_kv_of_q_slot = torch.cat([_lengths(packed_seq_params.cu_seqlens_kv), rows_q.length.new_zeros(1)])
         shift = len_kv_of_q_slot.gather(0, rows_q.slot) - rows_q.length
-        mask = mask & (rows_k.pos[None, :] <= (rows_q.pos + shift)[:, None])
+        visible = visible & (rows_k.pos[None, :] <= (rows_q.pos + shift)[:, None])
 
     compute = torch.float32 if q.dtype in _FLASH_DTYPES else q.dtype
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    # Autocast off: the reference computes in ``compute`` as FlashAttention does inside (an autocast einsum would
-    # run in bf16, and the fill below would not even fit).
+    # Autocast off: the reference computes in ``compute`` as FlashAttention does inside (an autocast matmul would
+    # run in bf16, and the finfo.min fill would not even fit).
     with torch.autocast(q.device.type, enabled=False):
-        qf = q.to(compute).reshape(tq, hkv, hq // hkv, d)
-        scores = torch.einsum("qhgd,khd->hgqk", qf, k.to(compute)) * scale
-        # A finite fill, not -inf: rows with no visible key (dead rows) get a uniform softmax that the second
-        # fill zeroes, so neither the output nor the gradient ever sees a NaN.
-        scores = scores.masked_fill(~mask, torch.finfo(compute).min)
-        probs = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)
-        out = torch.einsum("hgqk,khd->qhgd", probs, v.to(compute))
-    return out.reshape(tq, hq, d).to(q.dtype)
+        qh = q.to(compute).reshape(tq, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
+        kh = k.to(compute).permute(1, 0, 2)  # [Hkv, Tk, D]
+        vh = v.to(compute).permute(1, 0, 2)
+        out = _IsolatedAttention.apply(qh, kh, vh, visible, scale)  # [Hkv, G, Tq, D]
+    return out.permute(2, 0, 1, 3).reshape(tq, hq, d).to(q.dtype)
+
+
+def _visible_matmul(a: Tensor, b: Tensor, visible: Tensor) -> Tensor:
+    """``a @ b`` for ``a [..., M, K]`` that is exactly zero wherever ``visible [M, K]`` (0./1.) is 0.
+
+    A plain matmul lets 0 x NaN at an invisible pair poison the output (another document's row, a dead row). Here a
+    row ``k`` of ``b`` holding NaN/Inf makes output row ``m`` NaN only when the pair ``(m, k)`` is visible. Fixed
+    shapes, selections only: no host sync, graph-safe.
+    """
+    finite = torch.isfinite(b)
+    out = a @ torch.where(finite, b, 0)
+    # Per output row: does a visible pair meet a non-finite row of b? One small GEMM, [..., K] x [K, M].
+    hits = (~finite).any(dim=-1).to(visible.dtype) @ visible.transpose(0, 1)
+    return torch.where(hits[..., None] > 0, math.nan, out)
+
+
+class _IsolatedAttention(torch.autograd.Function):
+    """Masked softmax attention on ``[Hkv, G, Tq, D]`` x ``[Hkv, Tk, D]`` whose outputs and grads read a
+    (query, key) pair only where ``visible [Tq, Tk]`` allows it: NaN/Inf in one document, or in dead rows, never
+    reaches another document, and rows that see no key get exact zeros.
+
+    Autograd through a masked softmax cannot give this: its backward multiplies structural zeros by other rows'
+    values (0 x NaN = NaN). The backward is written by hand so that every such product is a selection or a
+    :func:`_visible_matmul`.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
+        hidden = ~visible
+        visible_f = visible.to(q.dtype)
+        scores = (q @ k[:, None].transpose(-1, -2)).mul_(scale)  # [Hkv, G, Tq, Tk]: each reads one q and one k row
+        # A finite fill, not -inf: a row with no visible key gets a uniform softmax that the second fill zeroes.
+        scores.masked_fill_(hidden, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1).masked_fill_(hidden, 0.0)
+        out = _visible_matmul(probs, v[:, None], visible_f)
+        ctx.save_for_backward(q, k, v, hidden, visible_f, probs, out)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
+        q, k, v, hidden, visible_f, probs, out = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        dq = dk = dv = None
+        with torch.autocast(dout.device.type, enabled=False):
+            seen_by = visible_f.transpose(0, 1)  # [Tk, Tq]: which queries each key reaches
+            if need_v:
+                dv = _visible_matmul(probs.transpose(-1, -2), dout, seen_by).sum(dim=1)
+            if need_q or need_k:
+                # rowsum(dout * out) is the softmax backward's per-row term. The fill selects the visible pairs
+                # rather than trusting probs' zeros: dead rows' dout and other documents' v reach dprobs there.
+                row_term = (dout * out).sum(dim=-1, keepdim=True)
+                dprobs = dout @ v[:, None].transpose(-1, -2)  # each entry reads one dout and one v row
+                dscores = dprobs.sub_(row_term).mul_(probs).masked_fill_(hidden, 0.0)
+                if need_q:
+                    dq = _visible_matmul(dscores, k[:, None], visible_f).mul_(ctx.scale)
+                if need_k:
+                    dk = _visible_matmul(dscores.transpose(-1, -2), q, seen_by).sum(dim=1).mul_(ctx.scale)
+        return dq, dk, dv, None, None
 
 
 def _lengths(cu: Tensor) -> Tensor:
