@@ -155,6 +155,54 @@ def test_flash_matches_float64_reference(monkeypatch, pad, causal, hkv, scale, s
     assert_dead_rows_zero(v.grad, live, "dv")
 
 
+# ------------------------------------------------------------------------------------------------ isolation
+@pytest.mark.parametrize(
+    "dtype,pad",
+    [(torch.bfloat16, 1), (torch.bfloat16, 8), (torch.float32, 1), (torch.float32, 8)],
+    ids=["bf16-flash-plain", "bf16-flash-padded8", "fp32-reference-plain", "fp32-reference-padded8"],
+)
+def test_non_finite_rows_stay_in_their_document(dtype, pad, report):
+    """NaN/Inf in every dead row (tail, padding) of q, k, v and the upstream grad, and in one document's rows, reach
+    no other document: their outputs and grads equal a clean run's, and dead rows stay exact zeros."""
+    lengths = [37, 1, 200, 0, 1, 64, 3, 1]
+    params = make_params(lengths, pad)
+    live = live_rows(lengths, pad)
+    start = sum(-(-n // pad) * pad for n in lengths[:2])  # document 2, 200 tokens, gets poisoned
+    poisoned = torch.zeros(T, dtype=torch.bool, device=DEVICE)
+    poisoned[start : start + lengths[2]] = True
+    others = live & ~poisoned
+    q, k, v = randn(T, HQ, D, dtype=dtype), randn(T, HKV, D, dtype=dtype), randn(T, HKV, D, dtype=dtype)
+    weight = torch.randn(T, HQ, D, device=DEVICE)
+    if dtype == torch.bfloat16:
+        assert_flash_path(q)
+
+    def run(q, k, v, weight):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out = rope_attention(*leaves, params)
+        return out.detach(), torch.autograd.grad((out.float() * weight).sum(), leaves)
+
+    clean_out, clean_grads = run(q, k, v, weight)
+    nan, inf = float("nan"), float("inf")
+    bad = [x.clone() for x in (q, k, v, weight)]
+    for x, poison in zip(bad, (nan, inf, -inf, nan), strict=True):
+        x[~live] = poison
+    bad[0][start + 20, 3, 0] = inf
+    bad[1][start + 99, 0, 5] = -inf
+    bad[2][start + 150, 1, 7] = nan
+    bad[3][start + 180, 5, 9] = nan
+    out, grads = run(*bad)
+
+    worst = 0.0
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (clean_out, *clean_grads), strict=True):
+        assert torch.isfinite(got[others]).all(), f"{name}: NaN/Inf reached another document"
+        # FA2's dq accumulates with float atomics: equal to the clean run up to summation order, not bitwise.
+        err = rel_err(got[others], want[others])
+        worst = max(worst, err)
+        assert err < 5e-3, f"{name}: other documents differ from the clean run, rel err {err}"
+        assert_dead_rows_zero(got, live, name)
+    report(f"ops isolation under NaN/Inf ({dtype}, pad {pad}): max rel err vs clean run", worst)
+
+
 # ------------------------------------------------------------------------------------------------ graph replay
 class StaticParams:
     """Fixed-capacity cu_seqlens buffers that a graph reads; ``load`` copies a new packing in."""
