@@ -28,9 +28,11 @@ What is autograd-exact, and what is not:
 
 Other rules:
 
-* **Parameters** are the module's (or the bound method's module's). Their storage is checked at every call, on the
-  host: after ``module.to(...)``, ``load_state_dict(assign=True)`` or a reassigned parameter, the callable drops its
-  graphs and captures new ones. In-place updates (``optimizer.step``, ``load_state_dict``) need nothing.
+* **Parameters** are the module's (or the bound method's module's). The module tree is checked at every call, on
+  the host: after ``module.to(...)``, ``load_state_dict(assign=True)``, a reassigned parameter or buffer, or a
+  submodule, parameter, buffer or module hook added, removed or replaced, the callable drops its graphs (with a
+  warning) and captures new ones. In-place updates (``optimizer.step``, ``load_state_dict``) need nothing. A
+  function's closure is not checked.
 * **Memory.** Everything captured together (one :func:`capture`, one :func:`capture_layers` stack, and their
   recaptures) shares one pool, warm-ups included; the signatures of one callable share its input and output
   buffers, and (``share_activations=True``) the activations a forward saves go back to the pool after capture, as
@@ -52,6 +54,7 @@ Other rules:
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -104,8 +107,6 @@ class GraphedCallable:
         self.fn = fn
         owner = getattr(fn, "__self__", None)
         self.module = fn if isinstance(fn, nn.Module) else owner if isinstance(owner, nn.Module) else None
-        # Every submodule's train/eval flag is static (a Dropout switched to eval alone changes the graph).
-        self._submodules = list(self.module.modules()) if self.module is not None else []
         self.group = group
         self.name = name or _name_of(fn)
         policy = group.preparer.buckets
@@ -133,8 +134,13 @@ class GraphedCallable:
 
     # ---------------------------------------------------------------- parameters
     def _scan_slots(self) -> None:
-        """Where each parameter and buffer of the module lives, with its identity and address at capture."""
+        """The module tree the graphs are captured from: every submodule (each one's train/eval flag is static: a
+        Dropout switched to eval alone changes the graph), every parameter and buffer with its address, and a
+        snapshot of each table of submodules, parameters, buffers and hooks, checked at every call."""
+        self._submodules = list(self.module.modules()) if self.module is not None else []
         slots, params, seen = [], [], set()
+        tables = [table for mod in self._submodules for table in _tree_tables(mod)]
+        entries = [(table, key, value) for table in tables for key, value in table.items()]
         for mod in self._submodules:
             for table, is_param in ((mod._parameters, True), (mod._buffers, False)):
                 for name, t in table.items():
@@ -145,16 +151,32 @@ class GraphedCallable:
                         seen.add(id(t))
                         params.append(t)
         self._slots = slots
+        # Checked at every call with C-level maps (a model's tree has hundreds of tables). The snapshot holds the
+        # values themselves, so identity means what it meant at capture.
+        self._tree = (tables, list(map(len, tables)), *(list(column) for column in zip(*entries, strict=True)))
+        self._tensors = ([t for _, _, t, _ in slots], [ptr for *_, ptr in slots])
         self.params = params
+
+    def _tree_changed(self) -> bool:
+        tables, lengths, *entries = self._tree
+        if list(map(len, tables)) != lengths:
+            return True
+        if entries:
+            owners, keys, values = entries
+            try:
+                if not all(map(operator.is_, map(operator.getitem, owners, keys), values)):
+                    return True
+            except KeyError:  # a key removed and another added
+                return True
+        tensors, ptrs = self._tensors
+        return list(map(Tensor.data_ptr, tensors)) != ptrs
 
     def _frozen(self) -> tuple[int, ...]:
         """Indices of the parameters that do not require grad now (part of the signature). Also checks, on the
-        host, that every parameter and buffer is still the tensor at the address the graphs were captured with."""
-        for table, name, t, ptr in self._slots:
-            now = table.get(name)
-            if now is not t or now.data_ptr() != ptr:
-                self._rebind()
-                break
+        host, that the module tree is the one the graphs were captured from: the same submodules, parameters,
+        buffers and hooks, and every parameter and buffer at the same address."""
+        if self._tree_changed():
+            self._rebind()
         return tuple(i for i, p in enumerate(self.params) if not p.requires_grad)
 
     def _rebind(self) -> None:
@@ -167,9 +189,10 @@ class GraphedCallable:
         self._scan_slots()
         if dropped:
             logger.warning(
-                "%s: a parameter or buffer of the module is a new tensor or moved to new memory since capture "
-                "(module.to(...), load_state_dict(assign=True), a reassigned attribute): its %d graphs read the old "
-                "memory and were dropped; new ones are captured at the next calls.",
+                "%s: the module changed since capture: a submodule, parameter, buffer or hook was added, removed or "
+                "replaced, or a parameter or buffer moved to new memory (module.to(...), "
+                "load_state_dict(assign=True), a reassigned attribute). Its %d graphs replay the old module and were "
+                "dropped; new ones are captured at the next calls.",
                 self.name,
                 len(dropped),
             )
@@ -320,6 +343,15 @@ class GraphedCallable:
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, graphs={self.num_graphs}, captures={self.captures})"
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _tree_tables(mod: nn.Module) -> list[dict]:
+    """The dicts of ``mod`` whose contents the graphs were captured from: its children, parameters, buffers and
+    hooks (a hook added after capture would otherwise never run; one removed would keep running)."""
+    return [mod._modules, mod._parameters, mod._buffers, *(getattr(mod, n) for n in _HOOK_TABLES if hasattr(mod, n))]
 
 
 DEFAULT_MAX_GRAPHS = 8
