@@ -5,7 +5,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from packgraph.buckets import BucketPolicy
+from packgraph.buckets import BucketPolicy, default_buckets
 from packgraph.graphs.describe import signature_diff
 from packgraph.graphs.signature import (
     CallSignature,
@@ -131,6 +131,25 @@ def test_preparer_caches_per_object_and_notices_changes():
     assert prep(p) is not second
     other = PackedSeqParams.from_seqlens([3, 2], capacity=4, total_tokens=8)
     assert prep(other) is not prep(p)
+
+
+def test_preparer_notices_a_cpu_write_that_keeps_the_version():
+    """A write through ``.numpy()`` or ``.data`` keeps the version counter. On the CPU the cached preparation
+    (its validation and bucket) is not reused after one: the params are validated again, and their host offsets
+    no longer agree with the tensor."""
+    policy = default_buckets(64)
+    for write in ("numpy", "data"):
+        prep = ParamsPreparer(buckets=policy)
+        p = PackedSeqParams.from_seqlens([5, 5, 5, 5, 5, 20], capacity=8, total_tokens=64)
+        first = prep(p)
+        assert prep(p) is first
+        fresh = torch.tensor([0, 20, 20, 20, 20, 20, 20, 20, 20], dtype=torch.int32)
+        if write == "numpy":
+            p.cu_seqlens_q.numpy()[:] = fresh.numpy()
+        else:
+            p.cu_seqlens_q.data.copy_(fresh)
+        with pytest.raises(PackedSeqParamsError, match="disagree"):
+            prep(p)
 
 
 def test_preparer_drops_mamba_fields_unless_kept():

@@ -186,6 +186,7 @@ class PreparedParams:
         "_values",
         "_versions",
         "_source_tensors",
+        "_cpu_values",
     )
 
     def __init__(
@@ -210,15 +211,19 @@ class PreparedParams:
         self._values = tuple(vars(source).values())
         self._source_tensors = tuple({id(t): t for t in converted.graph_inputs().values()}.values())
         self._versions = _versions(self._source_tensors)
+        # A write through .numpy() or .data keeps the version: on the CPU the values tell it, at no sync.
+        cpu = [t for t in self._source_tensors if t.device.type == "cpu"]
+        self._cpu_values = (cpu, [t.clone() for t in cpu])
 
     def is_current_for(self, source: Any) -> bool:
         """True when ``source`` is the object this was prepared from, with no field reassigned and no tensor
-        modified in place since (version counters). Tensors with no version counter never match."""
+        modified in place since (version counters; and values, for CPU tensors). Tensors with no version counter
+        never match."""
         if self._source() is not source or self._versions is None:
             return False
         if not all(map(operator.is_, vars(source).values(), self._values)):
             return False
-        return _versions(self._source_tensors) == self._versions
+        return _versions(self._source_tensors) == self._versions and all(map(torch.equal, *self._cpu_values))
 
     def rebuild(self, buffers: Sequence[Tensor]) -> Any:
         """The prepared params on ``buffers`` (one per entry of ``tensors``), as the captured callable sees them:
