@@ -90,12 +90,16 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams) -> N
         raise ValueError(f"varlen_attention: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"varlen_attention: head_dim differs: q has {q.shape[2]}, k/v have {k.shape[2]}")
+    if q.shape[2] < 1:
+        raise ValueError(f"varlen_attention: head_dim (q.shape[2]) must be >= 1, got {q.shape[2]}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(
             f"varlen_attention: q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]}) (GQA)"
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"varlen_attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.is_floating_point():
+        raise ValueError(f"varlen_attention: q/k/v must be floating point, got {q.dtype}; cast them (.float()) first")
     if not (q.device == k.device == v.device):
         raise ValueError(f"varlen_attention: q/k/v devices differ: {q.device}, {k.device}, {v.device}")
     if params.qkv_format != "thd":
