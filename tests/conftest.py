@@ -12,3 +12,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cuda)
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+
+
+# The engine's CPU tests run under both stand-in recorders: EagerRecorder (replays re-run the Python body) and
+# OpReplayRecorder (replays run the aten ops recorded at capture and no Python, as a CUDA graph does). A test module
+# that imports EagerRecorder gets each of its tests twice, the second time with that name bound to OpReplayRecorder.
+_STAND_IN_DIRS = tuple(f"{os.sep}tests{os.sep}{d}{os.sep}" for d in ("graphs", "models", "integrations"))
+
+
+def pytest_generate_tests(metafunc):
+    from tests.eager_recorder import EagerRecorder
+
+    module = metafunc.module
+    if getattr(module, "EagerRecorder", None) is EagerRecorder and any(d in module.__file__ for d in _STAND_IN_DIRS):
+        metafunc.fixturenames.append("stand_in")
+        metafunc.parametrize("stand_in", ["eager", "op-replay"], indirect=True)
+
+
+@pytest.fixture
+def stand_in(request):
+    """The stand-in recorder class the test's ``EagerRecorder`` name means (see pytest_generate_tests)."""
+    from tests.eager_recorder import EagerRecorder, OpReplayRecorder
+
+    return OpReplayRecorder if request.param == "op-replay" else EagerRecorder
+
+
+@pytest.fixture(autouse=True)
+def _bind_stand_in(request, monkeypatch):
+    # A fixture added by pytest_generate_tests is parametrized but not instantiated unless a test asks for it.
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and "stand_in" in callspec.params:
+        monkeypatch.setattr(request.module, "EagerRecorder", request.getfixturevalue("stand_in"))

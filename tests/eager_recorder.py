@@ -13,6 +13,11 @@ NaN instead of passing by luck.
 
 :class:`CaptureLikeRecorder` records as CUDA does in one more respect: its recording writes no tensor older than
 the capture, so a test can tell a write made by a replay from one made by the capture.
+
+:class:`OpReplayRecorder` replays as CUDA does: the aten ops recorded at capture, on the tensors captured, and no
+Python. It is the stand-in that is never more forgiving than a CUDA graph (a module changed after capture, a Python
+side effect, a host read, a value baked in at capture all show); ``tests/conftest.py`` runs every engine, model and
+integration test that uses ``EagerRecorder`` under it as well.
 """
 
 import torch
@@ -123,3 +128,138 @@ class CaptureLikeRecorder(EagerRecorder):
             results = body()
         self.skipped_writes += mode.skipped
         return EagerReplay(self, body, results, pool), results
+
+
+# ---------------------------------------------------------------------------------------------------- op replay
+_NO_KERNEL = {  # allocations only: a CUDA graph records nothing for them, so a replay leaves their memory alone
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default,
+}
+_HOST_READS = ("tolist", "numpy", "__array__")  # CPU tensors read these without an op: caught by name at record
+
+
+def _capture_refusal(what):
+    # CUDA's words, so that the engine explains it as it explains a real capture failure.
+    return RuntimeError(
+        f"operation not permitted when stream is capturing: {what} reads device values on the host (a host sync)"
+    )
+
+
+class _OpRecording(TorchDispatchMode):
+    """Logs every aten op of a capture body as ``(op, args, kwargs, outputs to refill)``.
+
+    Like a CUDA capture, it writes no tensor older than the capture (the write is logged, and happens at replay), and
+    it refuses what a capture refuses: an op that reads device values on the host or whose output shape depends on
+    them (``.item()``, ``bool(t)``, ``nonzero``, ``masked_select``...).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+        self.made = set()  # storages allocated under the mode (the capture's own memory)
+        self.skipped_writes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tags = func.tags
+        if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
+            raise _capture_refusal(str(func))
+        schema = func._schema
+        if schema.is_mutable:
+            named = dict(zip([a.name for a in schema.arguments], args, strict=False)) | kwargs
+            written = [
+                t
+                for a in schema.arguments
+                if a.alias_info is not None and a.alias_info.is_write
+                for t in (named.get(a.name) if isinstance(named.get(a.name), (list, tuple)) else [named.get(a.name)])
+                if isinstance(t, torch.Tensor)
+            ]
+            self.log.append((func, args, kwargs, None))
+            if written and all(t.untyped_storage().data_ptr() not in self.made for t in written):
+                self.skipped_writes += 1
+                out = written[0]
+                return out if len(schema.returns) == 1 else tuple(written)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        refill = []
+        for k, (t, ret) in enumerate(_returned(schema, out)):
+            if isinstance(t, torch.Tensor) and ret.alias_info is None:  # not a view of what the replay refills
+                self.made.add(t.untyped_storage().data_ptr())
+                refill.append((k, t))
+        if func not in _NO_KERNEL:
+            self.log.append((func, args, kwargs, refill))
+        return out
+
+
+def _returned(schema, out):
+    """``(value, its return in the schema)`` for every value an op returned (a ``Tensor[]`` return flattened)."""
+    if len(schema.returns) == 1 and isinstance(out, (tuple, list)):
+        return [(t, schema.returns[0]) for t in out]
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return list(zip(outs, schema.returns, strict=False))
+
+
+class OpReplayRecorder(EagerRecorder):
+    """A stand-in that replays like a CUDA graph: ``record`` logs the aten ops the body dispatches (a
+    ``TorchDispatchMode``) and ``replay`` runs exactly those ops again on the tensors captured, running no Python.
+
+    Recording executes the ops (for shapes and the autograd graph), but writes no tensor older than the capture and
+    leaves NaN in every floating tensor it made, as a capture leaves them unwritten; a replay re-runs each op,
+    writes its results into the tensors recorded (no version bump, no autograd, autocast off: the ops are already
+    the cast ones), and leaves allocations alone. A module changed after capture, a Python side effect, a value
+    read on the host or a tensor reached outside the arguments is then as stale here as in a CUDA graph.
+    """
+
+    records_by_running = False  # replays run no autograd: the engine may free what the backward capture consumed
+
+    def __init__(self):
+        super().__init__()
+        self.skipped_writes = 0
+
+    def record(self, body, pool=None):
+        self.reuse_released(pool)
+        self.clock += 1
+        recording = _OpRecording()
+        saved = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+        try:
+            for name in _HOST_READS:
+                setattr(torch.Tensor, name, _refuse(name))
+            with recording:
+                results = body()
+        finally:
+            for name, method in saved.items():
+                setattr(torch.Tensor, name, method)
+        self.skipped_writes += recording.skipped_writes
+        with torch._C._AutoDispatchBelowADInplaceOrView():  # no version bump: autograd saved these tensors
+            for _, _, _, refill in recording.log:
+                for _, t in refill or ():
+                    if t.is_floating_point():
+                        t.fill_(float("nan"))  # unwritten until the first replay
+        return OpReplay(self, recording.log, results, pool), results
+
+
+def _refuse(name):
+    def refused(self, *args, **kwargs):
+        raise _capture_refusal(f"Tensor.{name}()")
+
+    return refused
+
+
+class OpReplay:
+    def __init__(self, recorder, log, results, pool):
+        self.recorder, self.recorded_at, self.pool = recorder, recorder.clock, pool
+        self.log, self.results, self.replays = log, results, 0
+
+    def replay(self):
+        self.replays += 1
+        self.recorder.reuse_released(self.pool, self.recorded_at)
+        with torch._C._AutoDispatchBelowADInplaceOrView(), torch.autocast("cpu", enabled=False):
+            for func, args, kwargs, refill in self.log:
+                out = func(*args, **kwargs)
+                if refill:
+                    fresh = _returned(func._schema, out)
+                    for k, target in refill:
+                        target.copy_(fresh[k][0])

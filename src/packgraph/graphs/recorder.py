@@ -11,8 +11,8 @@ The recorder protocol (what :class:`CudaRecorder` implements, and what a stand-i
   recorded work, writing into ``results``;
 * optional ``pool`` and ``new_pool()``: the shared pool, and a fresh one (for a capture that must not reuse the
   shared pool's memory);
-* optional ``records_by_running = True``: ``record`` runs the body (a stand-in), so the engine keeps the autograd
-  graph a backward body consumes;
+* optional ``records_by_running = True``: a replay runs the body again (a stand-in), so the engine keeps the
+  autograd graph a backward body consumes;
 * optional ``unowned(storage, pool) -> storage``: a storage over the same memory (of ``pool``) that does not keep
   it allocated (the engine then releases idle backward results to the pool, :mod:`packgraph.graphs.handouts`). A
   stand-in that implements it must treat that memory as reused by every later warm-up and capture into ``pool``
@@ -52,9 +52,9 @@ def use_recorder(recorder: Any) -> Iterator[Any]:
     """Within the block, :func:`~packgraph.graphs.capture` and :func:`~packgraph.graphs.capture_layers` record with
     ``recorder`` instead of CUDA graphs.
 
-    A stand-in recorder (``tests/eager_recorder.py`` replays by re-running the recorded body) lets CPU tests drive
-    the production engine, and the models and integrations built on it, without a GPU. Captures keep the recorder
-    they were made with.
+    A stand-in recorder lets CPU tests drive the production engine, and the models and integrations built on it,
+    without a GPU (``tests/eager_recorder.py``: one replays by running the aten ops it recorded, and no Python, as
+    a CUDA graph does; another by re-running the recorded body). Captures keep the recorder they were made with.
     """
     token = _RECORDER.set(recorder)
     try:
