@@ -413,3 +413,96 @@ def test_hidden_state_grads_kept_by_hooks_match_eager_with_two_chained_buffers(r
     chain = {id(r.static) for g in graphed for e in g.cache.values() for r in e.chain_records.values()}
     report("exact: chained grad buffers in a 4-layer stack over 2 buckets", len(chain))
     assert len(chain) == 2
+
+
+class _LossOf(torch.nn.Module):
+    """The whole loss as the graphed callable's output, as ``model.graphed(scope="model")`` has it."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, p):
+        return _loss(self.block(x, p))
+
+
+def test_aliases_of_outputs_kept_across_replays_keep_their_values_without_a_sync(report):
+    """Eager keeps every tensor a caller holds: slices, ``.detach()`` and views of outputs kept across replays, and
+    ``logged = loss.detach(); loss.backward()``. Each keeps its values on real graphs, also after the graphs are
+    gone and their memory reused, and keeping them costs no host sync (the copies are stream-ordered)."""
+    block = _block()
+    p = _params([300, 0, 1, 500])
+    scorer = capture(block, (_x(0, False), p), forward_only=True)
+    loss_graph = capture(_LossOf(block), (_x(0), p))
+    kept, logged, grads = [], [], []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(3):
+            with torch.no_grad():
+                out = scorer(_x(i, False), p)
+            kept.append((out[:64], out.detach(), out.detach()[8:].t()))
+            block.zero_grad(set_to_none=True)
+            loss = loss_graph(_x(i), p)
+            logged.append(loss.detach())
+            loss.backward()
+            grads.append(_grads(block))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    del scorer, loss_graph
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    scribble = torch.full((64, 2**20), float("nan"), device=DEV)  # whatever memory the pools gave back
+    worst = 0.0
+    for i in range(3):
+        with torch.no_grad():
+            want = block(_x(i, False), p).float()
+        for got, ref in zip(kept[i], (want[:64], want, want[8:].t()), strict=True):
+            worst = max(worst, (got.float() - ref).abs().max().item())
+        block.zero_grad(set_to_none=True)
+        loss = _loss(block(_x(i), p))
+        loss.backward()
+        assert abs(logged[i].item() - loss.item()) <= 1e-2 * max(1.0, abs(loss.item())), f"step {i}"
+        _same_grads(grads[i], _grads(block))
+    del scribble
+    report("exact: outputs kept across replays, max |kept - eager|", worst)
+    assert worst <= FWD_TOL
+
+
+def test_a_submodule_swapped_after_capture_is_recaptured_without_a_sync(report):
+    """``model[1] = nn.Linear(...)`` after capture: the graphs replayed the old submodule and the new one got no
+    grads. The module tree is checked on the host at every call: the graphs are captured again, and outputs and
+    grads (the new submodule's included) are eager's."""
+    model = torch.nn.Sequential(_block(), torch.nn.Linear(D, D).to(DEV, torch.bfloat16))
+    p = _params([300, 0, 1, 500])
+    graphed = capture(_Chain(model), (_x(0), p))
+    _loss(graphed(_x(1), p)).backward()
+    torch.manual_seed(5)
+    model[1] = torch.nn.Linear(D, D).to(DEV, torch.bfloat16)
+    got = []
+    for fn in (graphed, _Chain(model)):
+        model.zero_grad(set_to_none=True)
+        y = fn(_x(2), p)
+        _loss(y).backward()
+        got.append((y.detach().float(), _grads(model)))
+    err = (got[0][0] - got[1][0]).abs().max().item()
+    _same_grads(got[0][1], got[1][1])
+    assert got[0][1]["1.weight"] is not None
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the tree check runs on the host
+    try:
+        _loss(graphed(_x(3), p)).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    report("exact: submodule swapped after capture, max |graphed - eager|", err)
+    assert err <= FWD_TOL and graphed.captures == 2
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, seq):
+        super().__init__()
+        self.seq = seq
+
+    def forward(self, x, p):
+        return self.seq[1](self.seq[0](x, p))
