@@ -19,6 +19,9 @@ from packgraph.params import PackedSeqParams
 from tests.eager_recorder import EagerRecorder
 
 T, D = 48, 32
+# How held handed-out memory is kept (tests/graphs/conftest.py): small outputs as copies, or every output on a
+# handle settled by _swap_data_ptr_, or by moving its holders one by one (a torch without it).
+HANDOUT_PATHS = pytest.mark.parametrize("handout_path", ["copy", "swap", "scan"], indirect=True)
 
 
 def _block(seed=0):
@@ -282,7 +285,8 @@ def test_outputs_held_across_calls_keep_their_values():
             torch.testing.assert_close(out, block(_x(i), p))
 
 
-def test_grads_kept_across_steps_keep_their_values():
+@HANDOUT_PATHS
+def test_grads_kept_across_steps_keep_their_values(handout_path):
     block = _block()
     p = _params([10, 20, 5])
     graphed = capture_with(EagerRecorder(), block, (_x(0), p))
@@ -297,7 +301,8 @@ def test_grads_kept_across_steps_keep_their_values():
         torch.testing.assert_close(g, block.attn.qkv.weight.grad)
 
 
-def test_zero_grad_without_set_to_none_and_micro_batches_match_eager():
+@HANDOUT_PATHS
+def test_zero_grad_without_set_to_none_and_micro_batches_match_eager(handout_path):
     block = _block()
     p = _params([10, 20, 5])
     graphed = capture_with(EagerRecorder(), block, (_x(0), p))
@@ -312,7 +317,8 @@ def test_zero_grad_without_set_to_none_and_micro_batches_match_eager():
     _same_grads(got[1], got[0])
 
 
-def test_views_and_detached_aliases_of_outputs_kept_across_calls_keep_their_values():
+@HANDOUT_PATHS
+def test_views_and_detached_aliases_of_outputs_kept_across_calls_keep_their_values(handout_path):
     """Eager keeps every tensor a caller holds: a slice, a ``.detach()``, a view of a view, a tensor autograd saved
     from an output. Each keeps its values through later replays that rewrite the graph's memory."""
     block = _block()
@@ -346,21 +352,24 @@ class _LossOf(nn.Module):
         return _loss(self.block(x, p))
 
 
-def test_a_loss_detached_for_logging_before_backward_keeps_its_value():
-    """``logged = loss.detach(); loss.backward()`` on a graphed loss: the backward writes no memory the loss lives
-    in, so it neither refuses the alias nor copies it; the next forward moves it to memory of its own first."""
+@HANDOUT_PATHS
+def test_a_loss_detached_for_logging_before_backward_keeps_its_value(handout_path):
+    """``logged = loss.detach(); loss.backward()`` on a graphed loss. A small output goes out as a copy. On a handle,
+    the backward writes no memory the loss lives in, so it neither refuses the alias nor moves it; the next forward
+    moves it to memory of its own first."""
     block = _block()
     p = _params([10, 20, 5])
     graphed = capture_with(EagerRecorder(), _LossOf(block), (_x(0), p))
-    book = graphed.group.handouts
+    (entry,) = graphed.cache.values()
+    static = entry.static_outputs[0]
     logged, grads = [], []
     for i in range(1, 5):
         block.zero_grad(set_to_none=True)
         loss = graphed(_x(i), p)
         logged.append(loss.detach())
-        record = next(iter(book._by_owner[graphed.uid]))
+        assert (loss.data_ptr() == static.data_ptr()) == (handout_path != "copy")
         loss.backward()
-        assert record.held()  # not copied by the backward
+        assert loss.data_ptr() == logged[-1].data_ptr()  # not moved by the backward
         grads.append(_grads(block))
     for i in range(1, 5):
         block.zero_grad(set_to_none=True)

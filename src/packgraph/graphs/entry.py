@@ -33,10 +33,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from packgraph.graphs import safety
+from packgraph.graphs import handouts, safety
 from packgraph.graphs.buffers import fits
 from packgraph.graphs.cache import logger
-from packgraph.graphs.handouts import Handout
+from packgraph.graphs.handouts import COPIED_OUTPUT_BYTES, Handout
 from packgraph.graphs.order import check_replay_order, freed_at, preserve_version
 from packgraph.graphs.signature import (
     CallSignature,
@@ -221,6 +221,14 @@ class Entry:
                     registry.set_producer(o, self)
                 else:
                     self.tokens.append((o, registry.register(o, owner.uid, self)))
+        # Small outputs that no graph reads in place go out as copies (handouts.COPIED_OUTPUT_BYTES).
+        self.copied_outputs = {
+            j
+            for j, o in enumerate(self.static_outputs)
+            if o.untyped_storage().nbytes() <= COPIED_OUTPUT_BYTES
+            and o.data_ptr() not in own_inputs
+            and (registry is None or not registry.registered(o))
+        }
 
     def capture_backward(
         self, grad_output_buffers: dict[int, Tensor] | None = None, *, last_in_stack: bool = False
@@ -300,7 +308,9 @@ class Entry:
                 self.grad_records.append(None)
                 continue
             what = f"grad of input {self.grad_positions[k]}" if k < n_in else "parameter grad"
-            record = Handout(g, seq=self.bwd_seq, owner=id(self), pool=self.pool, name=f"{what} of {owner.name}")
+            params = () if k < n_in else (self.trainable[k - n_in],)
+            name = f"{what} of {owner.name}"
+            record = Handout(g, seq=self.bwd_seq, owner=id(self), pool=self.pool, name=name, params=params)
             owner.group.handouts.track(record)
             self.grad_records.append(record)
 
@@ -396,8 +406,8 @@ class Entry:
                     buf.copy_(src)
 
     def hand_out_outputs(self) -> list[Tensor]:
-        book = self.owner.group.handouts
-        return [book.hand_out(r) for r in self.out_records]
+        book, copied = self.owner.group.handouts, self.copied_outputs
+        return [r.static.detach().clone() if j in copied else book.hand_out(r) for j, r in enumerate(self.out_records)]
 
     def run(self, dyn: list) -> Any:
         if not self.trains or not torch.is_grad_enabled():
@@ -433,6 +443,9 @@ class Entry:
                 # Chained but not in the shared buffer (another layout): read in place; or no grad.
                 chained = self.static_grad_inputs[k] if k < n_in else None
                 out.append(chained.detach() if chained is not None else None)
+            elif k < n_in and not handouts.SWAP_DATA_PTR:
+                # autograd may keep an input's grad where holders cannot be moved one by one (handouts.py)
+                out.append(record.static.clone())
             else:
                 # AccumulateGrad adopts it as a first .grad or adds it into one; another op's backward reads it.
                 # Whatever keeps it keeps the record's handle, which the next replay that writes it settles.

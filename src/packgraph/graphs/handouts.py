@@ -14,6 +14,14 @@ into a fresh block and the handle swapped onto the copy (``UntypedStorage._swap_
 packgraph or not, then keeps its values in memory of its own, with its identity and autograd version unchanged, as
 eager's tensors would; the replay writes only the graph's memory. Nobody holding the handle, nothing is copied.
 
+A torch without ``_swap_data_ptr_`` (2.11 has none) moves the holders one by one instead (``Tensor.set_`` onto the
+copy): the ``.grad`` of the parameters a grad was handed out for, then every tensor the garbage collector tracks
+(a scan of its objects, tens of milliseconds, only while something is still held). A holder Python cannot reach (a
+tensor autograd saved, one exported through DLPack) is left, and the replay raises
+:class:`~packgraph.graphs.order.GraphOrderError` rather than overwrite it; so the grads of inputs, which autograd
+keeps where Python cannot reach them (``x.grad`` of a leaf, the grad passed to the op that made ``x``), go out as
+copies there. Small outputs never need either: they are handed out as copies (:data:`COPIED_OUTPUT_BYTES`).
+
 Which replays may write a storage: the graph that owns it (and the other signatures of the same callable, which
 share its buffers), any graph of the same pool captured before the storage was allocated (its temporaries may lie
 there), and, once the storage is *released*, any graph of the pool captured after that. Storages are numbered by
@@ -39,6 +47,7 @@ go of a storage: when a graph is evicted or dropped, and when its capture group 
 
 from __future__ import annotations
 
+import gc
 import math
 import weakref
 from typing import Any
@@ -47,9 +56,18 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from packgraph.graphs.order import preserve_version
+from packgraph.graphs.order import GraphOrderError, preserve_version
 
-__all__ = ["Handout", "HandoutBook", "unowned_storage"]
+__all__ = ["Handout", "HandoutBook", "unowned_storage", "COPIED_OUTPUT_BYTES", "SWAP_DATA_PTR"]
+
+SWAP_DATA_PTR = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+"""Whether this torch can move every holder of a storage at once (else holders are moved one by one, and the
+grads of inputs, which autograd may keep out of Python's reach, are handed out as copies)."""
+
+COPIED_OUTPUT_BYTES = 64 * 1024
+"""Outputs this small (a loss, a batch's logprobs) that no other graph reads in place are handed out as copies,
+which no replay writes: one small kernel per call instead of a settle whenever one is kept (``loss.detach()`` kept
+for logging, say)."""
 
 
 def _storage_refs(cdata: int) -> int:
@@ -59,6 +77,13 @@ def _storage_refs(cdata: int) -> int:
 def unowned_storage(storage: torch.UntypedStorage) -> torch.UntypedStorage:
     """A storage over ``storage``'s memory that does not own it: holding it keeps nothing allocated."""
     return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
+
+
+def _on_storage(t: Tensor, cdata: int) -> bool:
+    try:
+        return t.untyped_storage()._cdata == cdata
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, a tensor subclass, a fake tensor)
+        return False
 
 
 def _handle_over(static: Tensor) -> Tensor:
@@ -81,15 +106,19 @@ class Handout:
     """
 
     __slots__ = (
-        "static", "seq", "owner", "pool", "name", "out", "released_at", "_handle", "_cdata", "_baseline", "__weakref__"
+        "static", "seq", "owner", "pool", "name", "params", "out", "released_at", "_handle", "_cdata", "_baseline",
+        "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, static: Tensor, *, seq: int, owner: Any, pool: Any, name: str) -> None:
+    def __init__(
+        self, static: Tensor, *, seq: int, owner: Any, pool: Any, name: str, params: tuple[Tensor, ...] = ()
+    ) -> None:
         self.static = static
         self.seq = seq
         self.owner = owner
         self.pool = pool
         self.name = name
+        self.params = params  # whose .grad may adopt a view of it (where holders are moved one by one)
         self.out = False
         self.released_at: int | None = None  # the capture number at which the engine let go of the memory
         self._handle: Tensor | None = None
@@ -109,14 +138,39 @@ class Handout:
         return self._handle is not None and _storage_refs(self._cdata) > self._baseline
 
     def settle(self) -> None:
-        """Move every holder of the handle to a copy of the memory in a block of its own; the handle is not reused."""
+        """Move every holder of the handle to a copy of the memory in a block of its own; the handle is not reused.
+
+        Raises:
+            GraphOrderError: without ``_swap_data_ptr_``, a holder Python cannot reach is left (module docstring).
+        """
         if not self.held():
             return
-        storage = self._handle.untyped_storage()
-        self._handle = None
+        handle, self._handle = self._handle, None
+        storage = handle.untyped_storage()
         copy = torch.UntypedStorage(storage.nbytes(), device=storage.device)
         copy.copy_(storage)
-        storage._swap_data_ptr_(copy)  # the holders own the copy now; ``copy`` is left with the unowned memory
+        if SWAP_DATA_PTR:
+            storage._swap_data_ptr_(copy)  # the holders own the copy now; ``copy`` is left with the unowned memory
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        self._move_onto(copy, handle, grads)
+        if _storage_refs(self._cdata) > self._baseline:  # the baseline counts ``handle`` itself
+            self._move_onto(copy, handle, (o for o in gc.get_objects() if isinstance(o, Tensor)))
+        if _storage_refs(self._cdata) > self._baseline:
+            raise GraphOrderError(
+                f"the {self.name} handed out by an earlier call is still held by a tensor Python cannot reach (saved "
+                "by autograd, or exported through DLPack), and this replay would overwrite it; this torch "
+                f"({torch.__version__}) has no UntypedStorage._swap_data_ptr_ to move it. Keep a copy (t.clone()) "
+                "instead, or use a newer torch."
+            )
+
+    def _move_onto(self, copy: torch.UntypedStorage, handle: Tensor, holders: Any) -> None:
+        with torch.no_grad():
+            for t in holders:
+                if t is handle or not _on_storage(t, self._cdata):
+                    continue
+                with preserve_version(t):
+                    t.set_(copy, t.storage_offset(), t.size(), t.stride())
 
     def release(self, unowned: Any, seq: int) -> bool:
         """Keep the storage through an alias that does not own it (``unowned(storage, pool)``), so the pool may reuse
