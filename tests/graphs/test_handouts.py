@@ -8,9 +8,11 @@ something could overwrite it shows up as NaN here.
 
 import gc
 
+import pytest
 import torch
 
-from packgraph.graphs.capture import capture_with
+from packgraph.graphs import GraphOrderError, handouts
+from packgraph.graphs.capture import capture_layers_with, capture_with
 from tests.eager_recorder import EagerRecorder
 from tests.graphs.test_autograd_exact import _block, _grads, _loss, _params, _same_grads, _x
 
@@ -334,3 +336,71 @@ def test_a_random_schedule_of_steps_on_a_chained_stack_matches_eager():
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, msg=f"kept at step {i}")
     assert graphed[0].num_graphs >= 3 and graphed[0].group.recorder.released
+
+
+@pytest.mark.parametrize("handout_path", ["swap", "scan"], indirect=True)
+def test_grads_kept_after_they_are_set_to_none_are_moved_without_a_scan(handout_path):
+    """``grads = [p.grad ...]; p.grad = None`` each step, the list kept into the next step's forward: the adopted
+    grads are known to the engine (a hook reports them where storages cannot be swapped), so keeping them costs a
+    copy each and never a scan of the garbage collector's objects."""
+    from tests.graphs.test_replay import _stack
+
+    layers = _stack()
+    graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), SIGS["A"]))
+    scans = handouts.scans
+    kept, want = [], []
+    for step in range(4):
+        for stack, out in ((graphed, kept), (list(layers), want)):
+            x = _x(step)
+            h = x
+            for layer in stack:
+                h = layer(h, SIGS["A"])
+            _loss(h).backward()
+            out.append([x.grad] + [w.grad for w in layers.parameters()])
+            for w in layers.parameters():
+                w.grad = None
+    assert handouts.scans == scans
+    for got, ref in zip(kept, want, strict=True):
+        for g, w in zip(got, ref, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("handout_path", ["swap", "scan"], indirect=True)
+def test_an_alias_the_engine_never_saw_is_found_by_a_scan_without_a_swap(handout_path):
+    block = _block()
+    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]), forward_only=True)
+    scans = handouts.scans
+    with torch.no_grad():
+        kept = graphed(_x(1), SIGS["A"]).detach()[2:]  # a view of a .detach(): the engine never saw either
+        graphed(_x(2), SIGS["A"])
+        torch.testing.assert_close(kept, block(_x(1), SIGS["A"])[2:], rtol=0, atol=0)
+    assert handouts.scans == scans + (handout_path == "scan")
+
+
+@pytest.mark.parametrize("handout_path", ["swap", "scan"], indirect=True)
+def test_an_output_autograd_saved_keeps_its_value_for_the_backward(handout_path):
+    """An output saved by an eager op's autograd node, its Python tensor deleted: the node's tensor is still found
+    and moved (without a swap, the scan reaches the Python object torch keeps for it)."""
+    block = _block()
+    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]), forward_only=True)
+    with torch.no_grad():
+        out = graphed(_x(1), SIGS["A"])
+    w = torch.ones_like(out, requires_grad=True)
+    product = (out * w).sum()  # autograd saves ``out`` for w's grad
+    del out
+    with torch.no_grad():
+        graphed(_x(2), SIGS["A"])
+    product.backward()
+    torch.testing.assert_close(w.grad, block(_x(1), SIGS["A"]).detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("handout_path", ["scan"], indirect=True)
+def test_without_a_swap_a_holder_no_scan_finds_is_refused_not_overwritten(handout_path, monkeypatch):
+    block = _block()
+    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]), forward_only=True)
+    with torch.no_grad():
+        kept = graphed(_x(1), SIGS["A"]).detach()
+        monkeypatch.setattr(gc, "get_objects", lambda: [])  # as for a holder only C++ code keeps
+        with pytest.raises(GraphOrderError, match="Python cannot reach"):
+            graphed(_x(2), SIGS["A"])
+    torch.testing.assert_close(kept, block(_x(1), SIGS["A"]).detach(), rtol=0, atol=0)

@@ -54,8 +54,10 @@ Other rules:
 
 from __future__ import annotations
 
+import functools
 import operator
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,6 +65,7 @@ import torch
 from torch import Tensor, nn
 
 from packgraph import slot_boundary
+from packgraph.graphs import handouts
 from packgraph.graphs.buffers import SharedBuffers
 from packgraph.graphs.cache import CaptureGroup, GraphCache, logger
 from packgraph.graphs.entry import Entry, explained_capture_errors
@@ -130,6 +133,9 @@ class GraphedCallable:
         registry = group.outputs
         self._chain_of = None if registry is None else (lambda t: registry.lookup(t, self.uid))
         self._device_type = group.recorder.device_type
+        self.grad_records: dict[int, Any] = {}  # id(param) -> the Handout of the grad last handed out for it
+        self._hooks: list[Any] = []  # refilled by each _scan_slots; removed with this callable
+        weakref.finalize(self, _remove_hooks, self._hooks)
         self._scan_slots()
 
     # ---------------------------------------------------------------- parameters
@@ -156,6 +162,12 @@ class GraphedCallable:
         self._tree = (tables, list(map(len, tables)), *(list(column) for column in zip(*entries, strict=True)))
         self._tensors = ([t for _, _, t, _ in slots], [ptr for *_, ptr in slots])
         self.params = params
+        _remove_hooks(self._hooks)
+        if not self.forward_only and not handouts.SWAP_DATA_PTR:
+            # Without a storage swap, holders are moved one by one: the hook tells the book which tensor
+            # AccumulateGrad adopted as a first .grad (kept by the caller after zero_grad, say).
+            me = weakref.ref(self)
+            self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(_adopted, me)) for p in params]
 
     def _tree_changed(self) -> bool:
         tables, lengths, *entries = self._tree
@@ -343,6 +355,19 @@ class GraphedCallable:
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, graphs={self.num_graphs}, captures={self.captures})"
+
+
+def _adopted(owner: weakref.ref, param: Tensor) -> None:
+    graphed = owner()
+    record = None if graphed is None else graphed.grad_records.get(id(param))
+    if record is not None:
+        record.adopted(param)
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

@@ -60,6 +60,7 @@ class Owner(Protocol):
     group: Any  # its capture group: recorder, pool, capture numbers, entries in flight, output registry
     buffers: Any  # its SharedBuffers
     cache: Any  # signature -> Entry
+    grad_records: dict[int, Handout]  # id(parameter) -> the record of the grad last handed out for it
     debug: bool
     forward_only: bool
     num_warmup_iters: int
@@ -447,6 +448,8 @@ class Entry:
                 # autograd may keep an input's grad where holders cannot be moved one by one (handouts.py)
                 out.append(record.static.clone())
             else:
+                if k >= n_in:  # whose adopted .grad the owner's hook reports, without a swap
+                    self.owner.grad_records[id(self.trainable[k - n_in])] = record
                 # AccumulateGrad adopts it as a first .grad or adds it into one; another op's backward reads it.
                 # Whatever keeps it keeps the record's handle, which the next replay that writes it settles.
                 out.append(book.hand_out(record))

@@ -15,8 +15,10 @@ packgraph or not, then keeps its values in memory of its own, with its identity 
 eager's tensors would; the replay writes only the graph's memory. Nobody holding the handle, nothing is copied.
 
 A torch without ``_swap_data_ptr_`` (2.11 has none) moves the holders one by one instead (``Tensor.set_`` onto the
-copy): the ``.grad`` of the parameters a grad was handed out for, then every tensor the garbage collector tracks
-(a scan of its objects, tens of milliseconds, only while something is still held). A holder Python cannot reach (a
+copy): those the engine knows (the tensors it handed out, the ``.grad`` of the parameters a grad was handed out
+for, and each tensor ``AccumulateGrad`` adopted from it, which a post-accumulate-grad hook reports), then, only if
+something still holds the handle (a ``.detach()`` or a view the caller made), every tensor the garbage collector
+tracks (a scan of its objects: tens of milliseconds or more; :data:`scans` counts them). A holder Python cannot reach (a
 tensor autograd saved, one exported through DLPack) is left, and the replay raises
 :class:`~packgraph.graphs.order.GraphOrderError` rather than overwrite it; so the grads of inputs, which autograd
 keeps where Python cannot reach them (``x.grad`` of a leaf, the grad passed to the op that made ``x``), go out as
@@ -64,6 +66,9 @@ SWAP_DATA_PTR = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 """Whether this torch can move every holder of a storage at once (else holders are moved one by one, and the
 grads of inputs, which autograd may keep out of Python's reach, are handed out as copies)."""
 
+scans = 0
+"""Scans of the garbage collector's objects made so far (see the module docstring)."""
+
 COPIED_OUTPUT_BYTES = 64 * 1024
 """Outputs this small (a loss, a batch's logprobs) that no other graph reads in place are handed out as copies,
 which no replay writes: one small kernel per call instead of a settle whenever one is kept (``loss.detach()`` kept
@@ -106,8 +111,8 @@ class Handout:
     """
 
     __slots__ = (
-        "static", "seq", "owner", "pool", "name", "params", "out", "released_at", "_handle", "_cdata", "_baseline",
-        "__weakref__",
+        "static", "seq", "owner", "pool", "name", "params", "out", "released_at", "aliases", "_handle", "_cdata",
+        "_baseline", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -121,6 +126,7 @@ class Handout:
         self.params = params  # whose .grad may adopt a view of it (where holders are moved one by one)
         self.out = False
         self.released_at: int | None = None  # the capture number at which the engine let go of the memory
+        self.aliases: list[weakref.ref] = []  # tensors known to hold the handle (moved one by one without a swap)
         self._handle: Tensor | None = None
         self._cdata = 0
         self._baseline = 0
@@ -131,7 +137,17 @@ class Handout:
             self._handle = _handle_over(self.static)
             self._cdata = self._handle.untyped_storage()._cdata
             self._baseline = _storage_refs(self._cdata)  # the handle alone (and its cached Python storage)
-        return self._handle.detach()
+        view = self._handle.detach()
+        if not SWAP_DATA_PTR:
+            self.aliases.append(weakref.ref(view))
+        return view
+
+    def adopted(self, param: Tensor) -> None:
+        """``param.grad`` was just set (a post-accumulate-grad hook, without ``_swap_data_ptr_``): know it if it is
+        on the handle (``AccumulateGrad`` adopts a tensor of its own, which a caller may keep after ``zero_grad``)."""
+        g = param.grad
+        if self._handle is not None and g is not None and _on_storage(g, self._cdata):
+            self.aliases.append(weakref.ref(g))
 
     def held(self) -> bool:
         """Whether a tensor handed out on the memory (or made from one) is still alive."""
@@ -143,6 +159,7 @@ class Handout:
         Raises:
             GraphOrderError: without ``_swap_data_ptr_``, a holder Python cannot reach is left (module docstring).
         """
+        known, self.aliases = [a() for a in self.aliases], []
         if not self.held():
             return
         handle, self._handle = self._handle, None
@@ -152,9 +169,10 @@ class Handout:
         if SWAP_DATA_PTR:
             storage._swap_data_ptr_(copy)  # the holders own the copy now; ``copy`` is left with the unowned memory
             return
-        grads = [p.grad for p in self.params if p.grad is not None]
-        self._move_onto(copy, handle, grads)
+        self._move_onto(copy, handle, [*known, *(p.grad for p in self.params)])
         if _storage_refs(self._cdata) > self._baseline:  # the baseline counts ``handle`` itself
+            global scans
+            scans += 1
             self._move_onto(copy, handle, (o for o in gc.get_objects() if isinstance(o, Tensor)))
         if _storage_refs(self._cdata) > self._baseline:
             raise GraphOrderError(
@@ -167,7 +185,7 @@ class Handout:
     def _move_onto(self, copy: torch.UntypedStorage, handle: Tensor, holders: Any) -> None:
         with torch.no_grad():
             for t in holders:
-                if t is handle or not _on_storage(t, self._cdata):
+                if t is None or t is handle or not _on_storage(t, self._cdata):
                     continue
                 with preserve_version(t):
                     t.set_(copy, t.storage_offset(), t.size(), t.stride())
