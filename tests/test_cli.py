@@ -327,6 +327,20 @@ def test_train_resume_from_a_damaged_checkpoint_is_one_line_and_changes_nothing(
     assert contents(run) == before  # the run it would have continued: log, config and checkpoints untouched
 
 
+def test_train_overwrite_with_a_refused_checkpoint_deletes_nothing(tiny_run, tmp_path, capsys):
+    """--overwrite deletes the earlier run's files only once the run can start: a --resume checkpoint that is
+    refused leaves that run as it was."""
+    run, other = copy_run(tiny_run, tmp_path), copy_run(tiny_run, tmp_path, "other")
+    ckpt = torch.load(other / "checkpoint.pt", weights_only=True)
+    ckpt["data"].pop("position")
+    torch.save(ckpt, other / "checkpoint.pt")
+    before = contents(run)
+    argv = ["train", *TINY, "--steps", "4", "--resume", str(other), "--overwrite", "--out-dir", str(run)]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and "data is missing position" in err and "--overwrite: deleted" not in out
+    assert contents(run) == before
+
+
 def test_score_names_what_does_not_fit_in_a_checkpoints_model_on_one_line(tiny_run, tmp_path, capsys):
     ckpt = torch.load(tiny_run / "checkpoint.pt", weights_only=True)
     ckpt["model"]["embed.weight"] = torch.zeros(3)

@@ -201,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--warmup", type=int, default=None, help="warm-up steps (default min(100, steps/10))")
     train.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step")
     train.add_argument("--chunk-len", type=_positive_int, default=None, help="longest document piece (default T)")
-    train.add_argument("--min-chunk-len", type=_positive_int, default=64, help="shortest document piece")
+    train.add_argument(
+        "--min-chunk-len", type=_positive_int, default=None, help="shortest document piece (default 64, or --chunk-len)"
+    )
     train.add_argument(
         "--resume",
         default=None,
@@ -282,6 +284,13 @@ def _train_config(args: argparse.Namespace, device, graphs: bool, out_dir: Path,
         raise CLIError(str(e)) from None
 
 
+def _min_chunk_len(args: argparse.Namespace) -> int:
+    """``--min-chunk-len``, or 64 capped at ``--chunk-len``: only both flags given can contradict each other."""
+    if args.min_chunk_len is not None:
+        return args.min_chunk_len
+    return min(64, args.chunk_len) if args.chunk_len is not None else 64
+
+
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.nproc > 1:
         from packgraph.distributed import launch  # lazily: the single-process path needs no torch.distributed
@@ -303,7 +312,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         grad_accum=args.grad_accum,
         warmup_steps=args.warmup if args.warmup is not None else min(100, args.steps // 10),
         chunk_len=args.chunk_len,
-        min_chunk_len=args.min_chunk_len,
+        min_chunk_len=_min_chunk_len(args),
         resume=args.resume,
         checkpoint_every=args.checkpoint_every,
         progress=not args.no_progress,
@@ -318,15 +327,14 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     # Under torchrun (packgraph train --nproc N) only rank 0 writes and talks; every rank has checked the out dir.
     main_rank = int(os.environ.get("RANK", "0")) == 0
-    existed = out_dir.exists()
-    if main_rank:
+
+    def prepare() -> None:  # once the config and any checkpoint are checked: a refused run deletes nothing
         _make_dir(out_dir, "train", args)
         print(f"out dir: {out_dir}")
+
     try:
-        result = train(cfg)
+        result = train(cfg, prepare_out_dir=prepare)
     except (ValueError, FileNotFoundError) as e:  # a bad config, resume point or checkpoint: a user error
-        if main_rank and not existed and out_dir.is_dir() and not any(out_dir.iterdir()):
-            out_dir.rmdir()
         raise CLIError(str(e)) from None
     if not main_rank:
         return 0

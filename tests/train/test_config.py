@@ -53,3 +53,17 @@ def test_train_cli_reports_the_config_error_in_one_line_and_exits_2(tmp_path, ca
     assert code == 2
     assert err.startswith("packgraph: error: ") and message in err and err.count("\n") == 1, err
     assert "Traceback" not in out + err and not out_dir.exists()
+
+
+def test_train_cli_caps_the_default_min_chunk_len_at_chunk_len():
+    """Only both flags given can contradict each other: --chunk-len 32 alone takes pieces of 32 at most and 32 at
+    least, where the default of 64 would be refused."""
+    from packgraph.cli import _min_chunk_len, build_parser
+
+    def min_chunk_len(*flags):
+        return _min_chunk_len(build_parser().parse_args(["train", *flags]))
+
+    assert min_chunk_len() == 64
+    assert min_chunk_len("--chunk-len", "32") == 32
+    assert min_chunk_len("--chunk-len", "512") == 64
+    assert min_chunk_len("--chunk-len", "512", "--min-chunk-len", "8") == 8

@@ -147,10 +147,16 @@ class Trainer:
     """
 
     def __init__(
-        self, cfg: TrainConfig, *, echo: Callable[[str], None] | None = print, documents: Sequence[Tensor] | None = None
+        self,
+        cfg: TrainConfig,
+        *,
+        echo: Callable[[str], None] | None = print,
+        documents: Sequence[Tensor] | None = None,
+        prepare_out_dir: Callable[[], None] | None = None,
     ) -> None:
         cfg.validate()
         self.cfg = cfg
+        self._prepare_out_dir = prepare_out_dir
         device = resolve_device(cfg.device)
         self.graphs = device.type == "cuda" if cfg.graphs is None else cfg.graphs
         if self.graphs and device.type != "cuda" and stand_in() is None:  # (a stand-in recorder: CPU tests)
@@ -182,7 +188,10 @@ class Trainer:
             self.dp.broadcast(self.model)
         self.log_path = self.out_dir / "train.jsonl"
         if self.rank == 0:
-            # Only now: a run refused above (a config or a checkpoint that does not fit) leaves no empty out dir.
+            # Only now: a run refused above (a config or a checkpoint that does not fit) leaves the out dir as it
+            # was (no empty dir, and nothing of an earlier run deleted by prepare_out_dir).
+            if self._prepare_out_dir is not None:
+                self._prepare_out_dir()
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self._open_log(resumed=ckpt is not None)
         self.runner = self.model.graphed(scope=cfg.scope) if self.graphs else self.model
@@ -451,8 +460,17 @@ class Trainer:
             self.dp = None
 
 
-def train(cfg: TrainConfig, *, echo: Callable[[str], None] | None = print) -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    *,
+    echo: Callable[[str], None] | None = print,
+    prepare_out_dir: Callable[[], None] | None = None,
+) -> TrainResult:
     """Run ``cfg`` to its last step; see :mod:`packgraph.train` for the step and the artefacts.
+
+    ``prepare_out_dir`` runs (on the first rank) just before the run writes anything, once the config and any
+    checkpoint have been checked and restored: the CLI's ``--overwrite`` deletes the earlier run's files there, so
+    a refused run deletes nothing.
 
     With ``cfg.deterministic`` every kernel is deterministic (:func:`deterministic_kernels`): two runs of one
     config give the same losses bit for bit, and so do eager and graphed runs (the graphs replay the same kernels
@@ -463,7 +481,7 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] | None = print) -> Tr
         FileNotFoundError: ``resume`` names no checkpoint.
     """
     with deterministic_kernels(cfg.deterministic):
-        trainer = Trainer(cfg, echo=echo)
+        trainer = Trainer(cfg, echo=echo, prepare_out_dir=prepare_out_dir)
         try:
             while not trainer.done:
                 trainer.step()
