@@ -124,6 +124,17 @@ def test_rl_bin_params_aligned_for_cp():
     assert aligned.cu_seqlens_q.tolist() == [0, 8, 12, 16]
 
 
+def test_rl_bin_params_take_whole_lengths_and_name_a_fraction():
+    assert megatron_rl_bin_params(torch.tensor([7, 5]), bin_size=16, max_sequences_per_bin=4).capacity == 5
+    assert megatron_rl_bin_params([7.0, 5], bin_size=16, max_sequences_per_bin=4).cu_seqlens_q.tolist()[:3] == [
+        0,
+        7,
+        12,
+    ]
+    with pytest.raises(PackedSeqParamsError, match=r"seq_lengths: must be whole numbers.*is 5.5"):
+        megatron_rl_bin_params([7, 5.5], bin_size=16, max_sequences_per_bin=4)  # was truncated to 5
+
+
 def test_rl_bin_params_full_and_empty_bins():
     full = megatron_rl_bin_params([10, 6], bin_size=16, max_sequences_per_bin=2)
     assert full.cu_seqlens_q.tolist() == [0, 10, 16, 16]  # zero-length trailing block

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from packgraph.params import PackedSeqParams, PackedSeqParamsError
+from packgraph.params import PackedSeqParams, PackedSeqParamsError, whole_lengths
 
 __all__ = ["from_megatron", "megatron_packed_seq_params_class", "megatron_rl_bin_params", "to_megatron"]
 
@@ -160,7 +160,7 @@ def megatron_rl_bin_params(
         PackedSeqParamsError: more sequences than ``max_sequences_per_bin``, a negative length, a bin that does not
             hold the (aligned) sequences, or a ``bin_size`` not divisible by ``seq_length_multiple``.
     """
-    lengths = [int(n) for n in seq_lengths]
+    lengths = whole_lengths(seq_lengths, lambda rule, detail: PackedSeqParamsError("seq_lengths", rule, detail))
     if max_sequences_per_bin < 1 or seq_length_multiple < 1 or bin_size < 1:
         raise PackedSeqParamsError(
             "cu_seqlens_q", "bin_size, max_sequences_per_bin and seq_length_multiple must be >= 1"
