@@ -4,6 +4,16 @@ import pytest
 import torch
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: ops on tensors as small as the tests' are too short to split, and a second thread only
+    adds synchronization."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/cuda/ is marked `cuda`; `cuda` tests skip on machines without CUDA."""
     skip = pytest.mark.skip(reason="needs CUDA")

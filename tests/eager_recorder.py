@@ -202,7 +202,7 @@ def _returned(schema, out):
     return list(zip(outs, schema.returns, strict=False))
 
 
-class OpReplayRecorder(EagerRecorder):
+class OpReplayRecorder(CaptureLikeRecorder):
     """A stand-in that replays like a CUDA graph: ``record`` logs the aten ops the body dispatches (a
     ``TorchDispatchMode``) and ``replay`` runs exactly those ops again on the tensors captured, running no Python.
 
@@ -214,10 +214,6 @@ class OpReplayRecorder(EagerRecorder):
     """
 
     records_by_running = False  # replays run no autograd: the engine may free what the backward capture consumed
-
-    def __init__(self):
-        super().__init__()
-        self.skipped_writes = 0
 
     def record(self, body, pool=None):
         self.reuse_released(pool)

@@ -19,13 +19,7 @@ F64 = torch.float64
 POISONS = (float("nan"), float("inf"), float("-inf"))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tensors this small are too short to split across threads: a second thread only adds synchronization.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------------ per-document loop
