@@ -321,11 +321,12 @@ def test_graphed_forward_only_logprobs_equal_eager_on_a_cpu_stand_in(scope):
     assert graphed.num_graph_sets == 3
 
 
-@pytest.mark.parametrize("scope", SCOPES)
-def test_graphed_training_with_adamw_follows_eager_over_a_random_schedule(scope):
+@pytest.mark.parametrize("scope, recompute", [(s, False) for s in SCOPES] + [("layer", True), ("model", True)])
+def test_graphed_training_with_adamw_follows_eager_over_a_random_schedule(scope, recompute):
     """Two copies of one model, one eager and one graphed, trained with AdamW on the same random schedule: batches
     over several buckets (captured as they come, in the middle of a step too), one or two micro-batches, ``zero_grad``
-    with and without ``set_to_none``. Losses, grads and weights stay eager's, step after step (float64)."""
+    with and without ``set_to_none``. Losses, grads and weights stay eager's, step after step (float64); with
+    ``recompute`` too, where the backward graphs run the forward again."""
     import copy
     import random
 
@@ -335,7 +336,7 @@ def test_graphed_training_with_adamw_follows_eager_over_a_random_schedule(scope)
     model = copy.deepcopy(eager)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, model)]
     with use_recorder(EagerRecorder()):
-        graphed = model.graphed(scope=scope)
+        graphed = model.graphed(scope=scope, recompute=recompute)
         for step in range(16):
             micro = [rng.choice(pool) for _ in range(rng.choice([1, 2]))]
             set_to_none = rng.random() < 0.6

@@ -103,6 +103,7 @@ class GraphedCallable:
         forward_only: bool = False,
         validate: str = "host",
         share_activations: bool = True,
+        recompute: bool = False,
         name: str | None = None,
     ) -> None:
         if num_warmup_iters < 1:
@@ -125,6 +126,7 @@ class GraphedCallable:
         self.forward_only = forward_only
         self.debug = validate == "debug"
         self.share_activations = share_activations
+        self.recompute = recompute and not forward_only
         self.buffers = SharedBuffers(self, enabled=share_activations)
         self.uid = id(self)
         self.recaptures = 0
@@ -512,6 +514,7 @@ def capture(
     validate: str = "host",
     keep_mamba_fields: bool = False,
     share_activations: bool = True,
+    recompute: bool = False,
 ) -> GraphedCallable:
     """Capture ``fn_or_module`` into CUDA graphs (forward, and backward unless ``forward_only``).
 
@@ -548,6 +551,12 @@ def capture(
             buffers (memory of one graph set, however many buckets). Replays must then follow the model's order; a
             replay that would overwrite an unfinished forward raises :class:`~packgraph.graphs.order.GraphOrderError`.
             ``False`` keeps each signature's memory apart.
+        recompute: activation recomputation inside the graphs: the callable runs under
+            ``torch.utils.checkpoint`` (non-reentrant), so the forward graph saves only what it reads and the
+            backward graph runs the forward again before its own kernels. A stack's saved activations shrink to
+            the layers' inputs, and each backward's recomputed activations are its temporaries, which the next
+            layer's backward reuses. Refused (``GraphCaptureError``) for a callable that draws random numbers
+            (dropout): the recomputed forward would draw other masks than the forward did.
 
     Returns:
         a :class:`GraphedCallable`.
@@ -570,6 +579,7 @@ def capture(
         validate=validate,
         keep_mamba_fields=keep_mamba_fields,
         share_activations=share_activations,
+        recompute=recompute,
     )
 
 

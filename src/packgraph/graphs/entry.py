@@ -32,6 +32,8 @@ from typing import Any, Protocol
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from packgraph.graphs import handouts, safety
 from packgraph.graphs.buffers import fits
@@ -65,6 +67,7 @@ class Owner(Protocol):
     forward_only: bool
     num_warmup_iters: int
     share_activations: bool
+    recompute: bool
 
     def trainable_now(self) -> list[Tensor]: ...
 
@@ -140,6 +143,13 @@ class Entry:
         if self.owner.debug:
             for params in self.static_params:
                 params.assert_valid_async()
+        if self.owner.recompute and torch.is_grad_enabled():
+            # The forward saves only what the callable reads; the backward runs it again (inside its graph, when
+            # captured), stand-ins and all. No RNG state is kept: warm_up refuses callables that draw numbers.
+            return checkpoint(self._run_fn, use_reentrant=False, preserve_rng_state=False)
+        return self._run_fn()
+
+    def _run_fn(self) -> Any:
         with parameters_replaced(self.owner, dict(zip(map(id, self.trainable), self.stand_ins, strict=True))):
             return self.owner.fn(*self.static_args, **self.static_kwargs)
 
@@ -181,7 +191,26 @@ class Entry:
                     grads = [torch.zeros_like(o) for o in outs]
                     torch.autograd.grad(outs, targets, grads, allow_unused=True)
 
-        owner.group.recorder.warmup(run, owner.num_warmup_iters, pool=self.pool)
+        checked = not (owner.recompute and train)
+
+        def first_checked() -> None:
+            nonlocal checked
+            if checked:
+                return run()
+            checked = True
+            with _RandomDraws() as draws:
+                run()
+            if draws.ops:
+                raise safety.GraphCaptureError(
+                    f"{owner.name}: recompute=True, but the callable draws random numbers ({', '.join(draws.ops)}): "
+                    "the backward graph's recomputed forward would draw other values than the forward did (dropout "
+                    "masks, say), so its grads would not be eager's. Set dropout to 0 in the recomputed layers, or "
+                    "capture them without recompute.",
+                    [],
+                    None,
+                )
+
+        owner.group.recorder.warmup(first_checked, owner.num_warmup_iters, pool=self.pool)
 
     def capture_forward(self) -> None:
         owner = self.owner
@@ -470,6 +499,24 @@ def explained_capture_errors(entry: Entry) -> Iterator[None]:
 
 
 _OUT = object()  # marks a tensor slot in an output template
+
+
+class _RandomDraws(TorchDispatchMode):
+    """Names the ops of a run that draw random numbers (tagged ``nondeterministic_seeded`` and not switched off by
+    a zero dropout probability, as attention kernels with ``dropout_p=0`` are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            named = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
+            off = named.get("dropout_p", named.get("p", 1)) == 0 or named.get("train", True) is False
+            if not off and str(func) not in self.ops:
+                self.ops.append(str(func))
+        return func(*args, **kwargs)
 
 
 class Replay(torch.autograd.Function):
