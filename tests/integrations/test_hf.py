@@ -129,9 +129,11 @@ def test_attention_errors(llama_pair):
     with pytest.raises(ValueError, match="batch size 1"):
         model(input_ids=ids.expand(2, -1), cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=17, max_length_k=17,
               use_cache=False)  # fmt: skip
-    window = _model(transformers.MistralConfig(**{**_configs()["mistral"].to_dict(), "sliding_window": 4}), "packgraph")
-    with pytest.raises(NotImplementedError, match="sliding_window=4"):
-        hf.packed_forward(window, hf.from_flattening_batch(collated))
+    config = transformers.LlamaConfig(**{**_configs()["llama"].to_dict(), "attention_dropout": 0.1})
+    dropout = _model(config, "packgraph")
+    with pytest.raises(NotImplementedError, match="no attention dropout"):
+        hf.packed_forward(dropout.train(), hf.from_flattening_batch(collated))
+    hf.packed_forward(dropout.eval(), hf.from_flattening_batch(collated))  # eval: no dropout, nothing refused
 
 
 def test_register_is_idempotent():

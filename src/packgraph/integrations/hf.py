@@ -49,6 +49,7 @@ __all__ = [
     "ATTENTION_NAME",
     "SCOPES",
     "GraphedDecoderLayers",
+    "attention_window",
     "from_flattening_batch",
     "graph_decoder_layers",
     "packed_forward",
@@ -107,15 +108,25 @@ def packgraph_attention(
         scaling: softmax scale (``None``: ``D ** -0.5``).
         dropout: must be 0 (the varlen kernel runs without attention dropout).
         kwargs: packing metadata, one of ``packed_seq_params`` or ``cu_seq_lens_q``/``cu_seq_lens_k`` with
-            static int ``max_length_q``/``max_length_k``; ``is_causal`` (default: the module's, else True);
-            ``sliding_window`` is accepted only when no document can exceed it.
+            static int ``max_length_q``/``max_length_k``; ``is_causal`` (default: the module's, else True); and
+            what the layer passes to every attention function: ``sliding_window`` (this layer's window, ``None``
+            on a global layer), ``softcap`` (attention logit softcapping), ``s_aux`` (per-head attention sinks).
+
+    Window semantics are transformers' own: ``sliding_window=W`` lets a query see itself and the ``W - 1`` tokens
+    before it in its document (``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - W``, the eager and
+    sdpa masks), which is FlashAttention's ``window_size=(W - 1, W - 1)`` under ``causal`` as transformers' flash
+    path passes it. Here: ``window=(W - 1, 0)`` causal, ``(W - 1, W - 1)`` otherwise (the flash path's symmetric
+    window), and no window at all when the bucket's static ``max_seqlen`` is at most ``W`` (it cannot matter then,
+    as the flash path skips it when ``key_length <= W``). ``softcap=c`` is ``c * tanh(scores / c)`` on the scaled
+    scores, and ``s_aux`` one extra logit per query head in each row's softmax that attends to no value, as in the
+    eager paths of Gemma 2 and gpt-oss.
 
     Returns:
         ``(attn_output [1, T, Hq, D], None)``: transformers' layout; no attention weights.
 
     Raises:
         ValueError / PackedSeqParamsError: batch size above 1, a mask, missing metadata, or tensor max lengths.
-        NotImplementedError: dropout, softcapping, attention sinks, a sliding window shorter than a document.
+        NotImplementedError: dropout.
     """
     if query.shape[0] != 1:
         raise ValueError(
@@ -129,20 +140,11 @@ def packgraph_attention(
         )
     if dropout:
         raise NotImplementedError(f"attn_implementation='packgraph' has no attention dropout (got p={dropout})")
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"attn_implementation='packgraph' does not support {name!r}")
     params = packed_params_from_kwargs(kwargs)
-    window = kwargs.get("sliding_window")
-    if window is not None and max(params.max_seqlen_q, params.max_seqlen_kv) > window:
-        # A window only matters for a document longer than it; max_seqlen bounds every document, statically.
-        raise NotImplementedError(
-            f"sliding_window={window} is shorter than max_seqlen={params.max_seqlen_kv}: packgraph attention has "
-            f"no sliding window; keep documents (and the bucket's max_seqlen) within the window"
-        )
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    is_causal = bool(is_causal)
     # [1, H, T, D] -> [T, H, D] is a view; RoPE leaves q/k with token-major strides, so no copy happens here.
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     dtype = _attention_dtype(q)
@@ -150,8 +152,43 @@ def packgraph_attention(
         # Under autocast the projections come out in the autocast dtype but RoPE's float32 tables promote q and k
         # back to float32; SDPA would cast all three down (it is an autocast op), and FA2 needs one dtype.
         q, k, v = (x.to(dtype) for x in (q, k, v))
-    out = varlen_attention(q, k, v, params, causal=bool(is_causal), softmax_scale=scaling)
+    # Only what a layer uses is passed on: a plain layer's call is the same call as before windows existed.
+    options: dict[str, Any] = {}
+    window = attention_window(kwargs.get("sliding_window"), params, causal=is_causal)
+    if window is not None:
+        options["window"] = window
+    if kwargs.get("softcap") is not None:
+        options["softcap"] = float(kwargs["softcap"])
+    if kwargs.get("s_aux") is not None:
+        options["sinks"] = kwargs["s_aux"]
+    out = varlen_attention(q, k, v, params, causal=is_causal, softmax_scale=scaling, **options)
     return out.unsqueeze(0), None
+
+
+def attention_window(
+    sliding_window: int | None, params: PackedSeqParams, *, causal: bool = True
+) -> tuple[int, int] | None:
+    """``varlen_attention``'s ``window=(left, right)`` for a layer's HF ``sliding_window`` (None: no window).
+
+    HF's ``sliding_window=W`` is the number of tokens a causal query sees, itself included (``kv_idx > q_idx - W``
+    in ``transformers.masking_utils``); FlashAttention counts the tokens on each side, itself excluded, so
+    transformers' flash path passes ``window_size=(W - 1, W - 1)``. A causal window is ``(W - 1, 0)`` here, a
+    bidirectional one ``(W - 1, W - 1)`` like the flash path's. When the static ``max_seqlen`` of the params is at
+    most ``W`` no document can be longer than the window and None is returned: the call is then exactly the
+    windowless one (and its graph the same).
+
+    Raises:
+        ValueError: ``W`` below 1.
+    """
+    if sliding_window is None:
+        return None
+    w = int(sliding_window)
+    if w < 1:
+        raise ValueError(f"sliding_window must be >= 1 (the tokens a query sees, itself included), got {w}")
+    bounds = [m for m in (params.max_seqlen_q, params.max_seqlen_kv) if m is not None]
+    if bounds and max(bounds) <= w:
+        return None
+    return (w - 1, 0) if causal else (w - 1, w - 1)
 
 
 def _attention_dtype(q: Tensor) -> torch.dtype | None:
