@@ -3,8 +3,9 @@
 Three pieces, usable alone:
 
 * **Attention.** Importing this module registers an attention function named ``"packgraph"`` in transformers'
-  ``AttentionInterface``. A model loaded with ``attn_implementation="packgraph"`` (Llama, Qwen2/Qwen3, Mistral and
-  any model whose attention goes through that interface) runs packed batches through
+  ``AttentionInterface``. A model loaded with ``attn_implementation="packgraph"`` (any model whose attention goes
+  through that interface; checked: the families of :mod:`packgraph.integrations.hf_families`, sliding windows per
+  layer, softcapping and attention sinks included) runs packed batches through
   :func:`packgraph.ops.varlen_attention`. Packing metadata comes from the kwargs the model forwards to its
   attention: a ``packed_seq_params`` (packgraph's or Megatron's) or HF's flash kwargs ``cu_seq_lens_q``,
   ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``. The max lengths must be Python ints (static): the function
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -40,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError("packgraph.integrations.hf needs Hugging Face transformers: pip install 'packgraph[hf]'") from exc
 
 from packgraph.buckets import BucketPolicy
+from packgraph.graphs.safety import GraphCaptureError
 from packgraph.integrations.hf_batches import from_flattening_batch, to_flattening_batch
 from packgraph.ops import varlen_attention
 from packgraph.packing import PackedBatch
@@ -75,7 +78,9 @@ _IGNORED_LAYER_KWARGS = frozenset(
     {"position_ids", "cache_position", "use_cache", "shift_labels", "labels", "num_items_in_batch", "seq_idx"}
     | {"output_attentions", "output_hidden_states", "output_router_logits", *_HF_PACKING_KWARGS}
 )
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # layer_past: GPT-NeoX
+# What a decoder layer calls its attention: Llama-like models "self_attn", GPT-NeoX "attention".
+_ATTENTION_NAMES = ("self_attn", "attention")
 
 
 # ---------------------------------------------------------------------------------------------------- attention
@@ -289,6 +294,7 @@ class _LayerCall(nn.Module):
         self.scope = scope
         self.original_forward = target.forward
         self.returns_tuple: bool | None = None
+        self.tuple_len = 0
 
     def forward(self, hidden_states: Tensor, *rest: Any, **static: Any) -> Tensor:
         if self.scope == "mlp":
@@ -300,6 +306,7 @@ class _LayerCall(nn.Module):
                 call["use_cache"] = False
             out = self.original_forward(hidden_states, **call, **static)
         self.returns_tuple = isinstance(out, tuple)
+        self.tuple_len = len(out) if self.returns_tuple else 0
         return out[0] if self.returns_tuple else out
 
 
@@ -362,12 +369,12 @@ def graph_decoder_layers(
     dynamic, ``max_seqlen``/capacity static, see ``PackedSeqParams.static_signature``).
 
     Args:
-        model: e.g. ``LlamaForCausalLM``; its decoder is ``model.model`` (or ``model`` itself) with ``.layers``
-            and ``.rotary_emb``.
+        model: e.g. ``LlamaForCausalLM``; its decoder is ``model.model`` (or ``model.base_model``, e.g. GPT-NeoX's
+            ``model.gpt_neox``, or ``model`` itself) with ``.layers`` and ``.rotary_emb``.
         sample_batch: a fixed-shape ``PackedBatch`` (same ``T`` as the batches to come) used for capture.
-        scope: ``"layer"`` (whole decoder layers), ``"attn"`` (``layer.self_attn`` only) or ``"mlp"``
-            (``layer.mlp`` only; its only input is the hidden states). ``"attention"`` is a deprecated alias of
-            ``"attn"`` (it warns with a ``FutureWarning``).
+        scope: ``"layer"`` (whole decoder layers), ``"attn"`` (``layer.self_attn``, GPT-NeoX's
+            ``layer.attention``) or ``"mlp"`` (``layer.mlp`` only, an MoE block included; its only input is the
+            hidden states). ``"attention"`` is a deprecated alias of ``"attn"`` (it warns with a ``FutureWarning``).
         buckets: a ``BucketPolicy`` for the capture cache (static metadata per bucket).
         forward_only: no-grad graphs for scoring and eval (call the model under ``torch.no_grad()``).
         capture_opts: passed to ``capture_layers`` (``num_warmup_iters``, ``on_mismatch``, ``max_graphs``, ...).
@@ -375,12 +382,21 @@ def graph_decoder_layers(
     Calls must come through :func:`packed_forward` (or pass ``packed_seq_params``/the flash kwargs yourself), with
     no attention mask and no KV cache.
 
+    Mixture of experts: the attention of every MoE model is captured (``scope="attn"``; the MoE blocks stay
+    eager). Whole layers and MoE blocks capture only when the experts read nothing on the host, which depends on
+    transformers' ``experts_implementation``: ``"eager"`` never does (it loops over the experts found with
+    ``nonzero``), ``"batched_mm"`` always does (it gathers each token's expert weights), ``"grouped_mm"`` (the
+    default) where torch runs its fused grouped GEMM; a capture error says which. Router logits
+    (``output_router_logits``) are recorded by hooks on the routers, which a replay does not run: refused with
+    those scopes.
+
     CPU tests drive the real engine through its seam: ``with packgraph.graphs.use_recorder(stand_in): ...``.
 
     Raises:
         RuntimeError: no CUDA (the engine's error; run :func:`packed_forward` eagerly on the CPU), or gradient
             checkpointing is on. ValueError: wrong ``attn_implementation`` or ``scope``, or the model is not on the
-            device the graphs are captured on.
+            device the graphs are captured on. GraphCaptureError: a target reads device values on the host (for MoE
+            experts, with what to do instead).
     """
     from packgraph.graphs import capture_layers
 
@@ -418,7 +434,8 @@ def _install(
     if any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
         raise RuntimeError("gradient checkpointing recomputes layers outside the graph: disable it to graph layers")
     targets = [
-        {"layer": layer, "attn": _child(layer, "self_attn"), "mlp": _child(layer, "mlp")}[scope] for layer in layers
+        {"layer": layer, "attn": _child(layer, *_ATTENTION_NAMES), "mlp": _child(layer, "mlp")}[scope]
+        for layer in layers
     ]
     for target in targets:
         if "forward" in target.__dict__:
@@ -427,7 +444,13 @@ def _install(
     for adapter in adapters:  # capture under the mode the model is in now (the flag is part of the signature)
         adapter.training = adapter.target.training
     sample_args = _sample_args(decoder, sample_batch, scope=scope, requires_grad=not forward_only)
-    graphed = list(make_graphed(adapters, sample_args))
+    try:
+        graphed = list(make_graphed(adapters, sample_args))
+    except GraphCaptureError as exc:
+        experts = getattr(model.config, "_experts_implementation", None)
+        if scope == "attn" or experts is None:
+            raise
+        raise GraphCaptureError(f"{exc}\n{_moe_capture_hint(experts)}", exc.syncs, exc.location) from exc
     if len(graphed) != len(targets):
         raise RuntimeError(f"capture returned {len(graphed)} callables for {len(targets)} layers")
     for target, adapter, fn in zip(targets, adapters, graphed, strict=True):
@@ -463,11 +486,20 @@ def _graphed_forward(adapter: _LayerCall, graphed: Callable[..., Tensor]) -> Cal
             hidden_states, args = args[0], args[1:]
         else:
             hidden_states = kwargs.pop("hidden_states")
+        if scope != "attn" and "router_logits" in _recorded_outputs():
+            raise ValueError(
+                "output_router_logits=True: transformers records router logits with a forward hook on each router, "
+                f"which a replay of graphed {scope!r} targets does not run. Graph scope='attn' (the MoE blocks stay "
+                "eager) or leave output_router_logits off"
+            )
         if scope == "mlp":
             if args or kwargs:
                 raise TypeError(f"a graphed MLP takes only the hidden states, got extra arguments {sorted(kwargs)}")
             adapter.training = adapter.target.training
-            return graphed(hidden_states)
+            out = graphed(hidden_states)
+            # An MoE block may return (hidden_states, router_scores) (gpt-oss): the layer unpacks a tuple of that
+            # length and keeps only the hidden states.
+            return (out, *(None,) * (adapter.tuple_len - 1)) if adapter.returns_tuple else out
         if args:
             raise TypeError("a graphed decoder layer takes the hidden states positionally and the rest by keyword")
         if kwargs.pop("attention_mask", None) is not None:
@@ -500,15 +532,45 @@ def _graphed_forward(adapter: _LayerCall, graphed: Callable[..., Tensor]) -> Cal
     return forward
 
 
+def _moe_capture_hint(experts: str) -> str:
+    """What to do when an MoE model's layers or MLPs could not be captured (appended to the capture error)."""
+    return (
+        f"  MoE: this model's experts run experts_implementation={experts!r}. 'eager' loops over the experts it "
+        "finds with nonzero (a host read); 'grouped_mm' reads its group offsets on the host wherever torch falls back "
+        "from its fused grouped GEMM (which takes bf16 inputs and weights on recent GPUs: under autocast, float32 "
+        "weights fall back); 'batched_mm' reads nothing on the host but "
+        "gathers each token's expert weights (memory grows with tokens x top-k x expert size). Load the model with "
+        "experts_implementation='batched_mm' (or bf16 weights for 'grouped_mm'), or graph scope='attn', which "
+        "captures the attention of every MoE model"
+    )
+
+
+def _recorded_outputs() -> set[str]:
+    """The outputs transformers' forward hooks are collecting in the model call under way (``output_router_logits``
+    and the like), read from its collector; empty when none is or transformers has no such collector."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - older transformers
+        return set()
+    collected = _active_collector.get()
+    return set(collected) if isinstance(collected, dict) else set()
+
+
 def _sample_args(decoder: nn.Module, sample_batch: Any, *, scope: str, requires_grad: bool) -> tuple:
     """Capture inputs shaped like a real call: hidden states from the embedding, rotary tables, the params."""
     device = next(decoder.parameters()).device
     batch = sample_batch.to(device)
     with torch.no_grad():
-        hidden = decoder.embed_tokens(batch.tokens.view(1, -1))
+        embed = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else decoder.embed_tokens
+        hidden = embed(batch.tokens.view(1, -1))
         if not hasattr(decoder, "rotary_emb"):
             raise ValueError(f"{type(decoder).__name__} has no rotary_emb: only RoPE decoders are supported")
-        cos, sin = decoder.rotary_emb(hidden, position_ids=batch.position_ids.view(1, -1))
+        rotary = {}
+        layer_types = getattr(getattr(decoder, "config", None), "layer_types", None)
+        if layer_types and "layer_type" in inspect.signature(decoder.rotary_emb.forward).parameters:
+            # Gemma 3: one table per layer type, all of one shape (only shapes matter for the sample).
+            rotary["layer_type"] = layer_types[0]
+        cos, sin = decoder.rotary_emb(hidden, position_ids=batch.position_ids.view(1, -1), **rotary)
     hidden = hidden.detach().requires_grad_(requires_grad)
     if scope == "mlp":
         return (hidden,)
@@ -516,14 +578,17 @@ def _sample_args(decoder: nn.Module, sample_batch: Any, *, scope: str, requires_
 
 
 def _decoder(model: nn.Module) -> nn.Module:
-    for candidate in (getattr(model, "model", None), model):
+    # base_model: the decoder under its own prefix (GPT-NeoX's model.gpt_neox).
+    for candidate in (getattr(model, "model", None), getattr(model, "base_model", None), model):
         if candidate is not None and isinstance(getattr(candidate, "layers", None), nn.ModuleList):
             return candidate
     raise ValueError(f"{type(model).__name__}: no decoder with a .layers ModuleList (expected model.model.layers)")
 
 
-def _child(layer: nn.Module, name: str) -> nn.Module:
-    child = getattr(layer, name, None)
-    if not isinstance(child, nn.Module):
-        raise ValueError(f"{type(layer).__name__} has no {name!r} submodule to graph")
-    return child
+def _child(layer: nn.Module, *names: str) -> nn.Module:
+    """The first of ``names`` that is a submodule of ``layer``."""
+    for name in names:
+        child = getattr(layer, name, None)
+        if isinstance(child, nn.Module):
+            return child
+    raise ValueError(f"{type(layer).__name__} has no {' or '.join(map(repr, names))} submodule to graph")
