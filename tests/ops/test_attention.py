@@ -33,15 +33,14 @@ def attend(qi, ki, vi, causal, scale):
     lq, hq, d = qi.shape
     lk, hkv, _ = ki.shape
     group = hq // hkv
+    i, j = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
+    visible = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:  # bottom-right aligned, as FA2
+        visible = j <= i + lk - lq
+    empty = ~visible.any(dim=1)
     heads = []
     for h in range(hq):
         s = qi[:, h] @ ki[:, h // group].T * scale
-        visible = torch.ones(lq, lk, dtype=torch.bool)
-        if causal:  # bottom-right aligned, as FA2
-            for i in range(lq):
-                for j in range(lk):
-                    visible[i, j] = j <= i + lk - lq
-        empty = ~visible.any(dim=1)
         s = s.masked_fill(~visible, float("-inf")).masked_fill(empty[:, None], 0.0)
         p = torch.softmax(s, dim=-1) * (~empty)[:, None].to(s.dtype)
         heads.append(p @ vi[:, h // group])
