@@ -310,6 +310,32 @@ def test_graphed_layers_capture_a_new_bucket_before_the_embedding(monkeypatch):
         torch.testing.assert_close(got[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
 
 
+@pytest.mark.parametrize("scope", SCOPES)
+def test_graphed_training_with_a_frozen_embedding_follows_eager(scope):
+    """LoRA-style fine-tuning freezes the embedding: the first block's input then does not require grad, a new
+    signature for the head of the stack only. The stack is captured again whole (the later blocks' older graphs
+    would replay over the new head graph's activations); losses and grads stay eager's, frozen weights get none."""
+    model = make_model()
+    batches = graph_batches()
+    model.embed.weight.requires_grad_(False)
+    with use_recorder(EagerRecorder()):
+        graphed = model.graphed(scope=scope)
+        for b in batches + batches:
+            model.zero_grad(set_to_none=True)
+            _, loss = graphed(b)
+            loss.backward()
+            got = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+            _, want = model(b)
+            want.backward()
+            torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+            for n, p in model.named_parameters():
+                assert (got[n] is None) == (p.grad is None), n
+                if p.grad is not None:
+                    torch.testing.assert_close(got[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
+    assert got["embed.weight"] is None
+
+
 @pytest.mark.parametrize("scope", ["layer", "attn", "model"])
 def test_graphed_forward_only_logprobs_equal_eager_on_a_cpu_stand_in(scope):
     model = make_model()

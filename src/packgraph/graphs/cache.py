@@ -121,13 +121,17 @@ class GraphCache(Generic[E]):
             raise GraphSignatureError(signature_diff(captured, key), name=self.name)
 
     def insert(self, key: CallSignature, entry: E, *, seconds: float = 0.0, kind: str = "fwd+bwd") -> list[E]:
-        """Add a fresh capture; return the entries evicted to stay within ``max_graphs`` (caller releases them)."""
+        """Add a fresh capture; return the entries it replaces (one of the same signature) or evicts to stay within
+        ``max_graphs`` (the caller releases them)."""
         previous = next(reversed(self._entries), None)
+        replaced = self._entries.pop(key, None)
         self._entries[key] = entry
         self._entries.move_to_end(key)
         self.captures += 1
         if previous is None:
             reason = "first capture"
+        elif replaced is not None:
+            reason = "a stack capture for a signature it had, replacing that graph"
         else:
             diffs = signature_diff(previous, key)
             reason = "new signature: " + "; ".join(f"{f} {a!r} -> {b!r}" for f, a, b in diffs[:6])
@@ -151,7 +155,7 @@ class GraphCache(Generic[E]):
                 len(self._entries),
                 reason,
             )
-        evicted = []
+        evicted = [replaced] if replaced is not None and replaced is not entry else []
         while self.max_graphs is not None and len(self._entries) > self.max_graphs:
             old_key, old = self._entries.popitem(last=False)
             self.evictions += 1
@@ -256,6 +260,7 @@ class CaptureGroup:
         self.handouts = HandoutBook()
         self.slots = ChainGradSlots(cuda=isinstance(getattr(recorder, "stream", None), torch.cuda.Stream))
         self._stack: list[weakref.ref] = []
+        self._callables: weakref.WeakSet[Any] = weakref.WeakSet()
         # Handed-out views do not keep the graphs' memory allocated: move their holders before it goes.
         weakref.finalize(self, self.handouts.settle_all)
         weakref.finalize(self, self.slots.close)
@@ -273,6 +278,14 @@ class CaptureGroup:
         """The buffer the last layer of a chained stack reads the grad of its output from: slot 1 of the hidden
         states' layout, so that its own input grad goes to slot 0 and the stack holds two such buffers, not three."""
         return self.slots.record(like, 0, 1)
+
+    def add(self, graphed: Any) -> None:
+        """A callable of the group (a :class:`~packgraph.graphs.capture.GraphedCallable`)."""
+        self._callables.add(graphed)
+
+    def callables(self) -> list[Any]:
+        """The group's callables still alive."""
+        return list(self._callables)
 
     def set_stack(self, callables: list[Any]) -> None:
         """The group's callables in the order a chained stack calls them (``capture_layers``)."""

@@ -129,6 +129,7 @@ class GraphedCallable:
         self.recompute = recompute and not forward_only
         self.buffers = SharedBuffers(self, enabled=share_activations)
         self.uid = id(self)
+        group.add(self)
         self.recaptures = 0
         self._warned_unchained = False
         self._warned_opaque = False
@@ -169,7 +170,8 @@ class GraphedCallable:
             # Without a storage swap, holders are moved one by one: the hook tells the book which tensor
             # AccumulateGrad adopted as a first .grad (kept by the caller after zero_grad, say).
             me = weakref.ref(self)
-            self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(_adopted, me)) for p in params]
+            hook = functools.partial(_adopted, me)  # (a parameter unfrozen later is found through its .grad)
+            self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
 
     def _tree_changed(self) -> bool:
         tables, lengths, *entries = self._tree
@@ -265,8 +267,11 @@ class GraphedCallable:
         if stack is not None:
             return self._recapture_stack(stack, args, kwargs)
         # The backward waits for its first use: captures then follow the order the graphs run in (see
-        # Entry.capture_backward_late), and a forward-only use never captures one.
-        (entry,) = _capture_stack([self], args, kwargs, backward=False)
+        # Entry.capture_backward_late), and a forward-only use never captures one. Other callables' graphs,
+        # captured before, may replay while this one is in flight (the later layers of a stack whose first layer
+        # alone has a new signature): it takes a pool of its own.
+        apart = any(c is not self and len(c.cache) for c in self.group.callables())
+        (entry,) = _capture_stack([self], args, kwargs, backward=False, apart=apart)
         if self.group.chain and not entry.chained and not self._warned_unchained:
             if any(e.chained for e in self.cache.values()):
                 self._warned_unchained = True
@@ -318,19 +323,24 @@ class GraphedCallable:
         head, the loss and their backward allocate. (The capture step's peak is still the last layer's backward
         capture, with every saved activation live, as eager's peak is.) Like the initial capture, it feeds each
         later layer the previous one's output and the first layer's other arguments; a layer called otherwise
-        gets its own graph at its call. Only where every layer has seen the same signatures, and not for calls
-        without grad, which capture forwards only.
+        gets its own graph at its call. Only where every layer has been captured as often (stack captures, not
+        layer-by-layer ones), and not for calls without grad, which capture forwards only.
+
+        Every layer is captured, also one that already has a graph for its signature (when only the head's is
+        new: its input no longer requires grad, say, under a frozen embedding), whose graph the new one
+        replaces: the older graph's temporaries may lie where the new head graph's saved activations were
+        placed, and it would replay while they are still needed.
         """
         stack = self.group.stack()
         if len(stack) < 2 or stack[0] is not self or self.forward_only or not torch.is_grad_enabled():
             return None
-        if any(len(g.cache) != len(self.cache) or g.captures != self.captures for g in stack):
+        if any(g.captures != self.captures for g in stack):
             return None
         return stack
 
     def _recapture_stack(self, stack: list[GraphedCallable], args: tuple, kwargs: dict) -> Entry:
-        entries = _capture_stack(stack, args, kwargs, new_only=True)
-        for g, entry in zip(stack, entries, strict=False):
+        entries = _capture_stack(stack, args, kwargs)
+        for g, entry in zip(stack, entries, strict=True):
             g.recaptures += 1
             g._insert(entry)
         return entries[0]
@@ -392,14 +402,13 @@ def _name_of(fn: Callable) -> str:
 
 
 def _capture_stack(
-    graphed: Sequence[GraphedCallable], args: tuple, kwargs: dict, *, backward: bool = True, new_only: bool = False
+    graphed: Sequence[GraphedCallable], args: tuple, kwargs: dict, *, backward: bool = True, apart: bool = False
 ) -> list[Entry]:
     """Capture ``x = g(x, *args[1:], **kwargs)`` for each ``g`` in turn: forwards in order, then backwards in
     reverse (the order a model runs them). One callable is the plain single capture. In a chained group each
     layer reads the previous layer's static output in place, and each backward reads the next layer's input-grad
-    buffer as its output grad. ``backward=False`` leaves each backward graph to be captured at its first use.
-    ``new_only`` (a recapture): a layer that has a graph for its signature already ends the stack there, and the
-    layers before it get their backward graphs at first use, as a layer-by-layer recapture would."""
+    buffer as its output grad. ``backward=False`` leaves each backward graph to be captured at its first use;
+    ``apart`` captures into a pool of their own (:class:`~packgraph.graphs.entry.Entry`)."""
     entries: list[Entry] = []
     started = []
     for k, g in enumerate(graphed):
@@ -414,10 +423,7 @@ def _capture_stack(
             args = (out.detach().requires_grad_(out.requires_grad), *args[1:])
         started.append(time.perf_counter())
         key, dyn = g.signature(args, kwargs)
-        if new_only and k > 0 and key in g.cache:
-            backward = False
-            break
-        entry = Entry(g, key, args, kwargs, dyn)
+        entry = Entry(g, key, args, kwargs, dyn, apart=apart)
         with explained_capture_errors(entry):
             entry.warm_up()
             entry.capture_forward()

@@ -77,7 +77,9 @@ class Owner(Protocol):
 class Entry:
     """One signature's capture: static buffers, the forward graph and, when training, the backward graph."""
 
-    def __init__(self, owner: Owner, key: CallSignature, args: tuple, kwargs: dict, dyn: list) -> None:
+    def __init__(
+        self, owner: Owner, key: CallSignature, args: tuple, kwargs: dict, dyn: list, *, apart: bool = False
+    ) -> None:
         self.owner = owner
         self.key = key
         self.flight: Any = None  # weakref to the autograd context of a forward whose backward has not run
@@ -87,10 +89,11 @@ class Entry:
         # warm-up and capture train these instead of the parameters (packgraph.graphs.stand_ins says why)
         self.stand_ins = [stand_in_leaf(p) for p in self.trainable]
         recorder = owner.group.recorder
-        # A capture made while a graph with freed activations is in flight gets a pool of its own: the group's
-        # pool may hand it that graph's activations.
+        # A capture gets a pool of its own when it is made while a graph with freed activations is in flight (the
+        # group's pool may hand it that graph's activations), or ``apart``: when graphs captured before it may
+        # replay while it is in flight (their temporaries may lie where its activations are placed).
         self.pool: Any = recorder.pool if hasattr(recorder, "pool") else None
-        if any(o.in_flight and freed_at(o) < float("inf") for o in owner.group.in_flight.values()):
+        if apart or any(o.in_flight and freed_at(o) < float("inf") for o in owner.group.in_flight.values()):
             self.pool = recorder.new_pool() if hasattr(recorder, "new_pool") else object()
         # A new signature's capture writes the callable's shared buffers before any replay (the call's inputs are
         # loaded into them below; a stand-in recorder's capture writes its outputs): what is handed out on them
