@@ -40,6 +40,8 @@ __all__ = [
     "documents",
     "packed_batch",
     "per_document_reference",
+    "random_documents",
+    "size_overrides",
     "tiny_config",
     "tiny_model",
 ]
@@ -66,7 +68,7 @@ _COMMON = dict(
     pad_token_id=0,
     tie_word_embeddings=False,
 )
-_ALTERNATING = ["sliding_attention", "full_attention"]
+_ALTERNATING = ("sliding_attention", "full_attention")
 _MOE = dict(num_experts_per_tok=2)
 
 
@@ -81,6 +83,7 @@ class Family:
         overrides: config kwargs on top of the common tiny ones (``None`` removes a common kwarg).
         features: what the family adds to a Llama: ``"window"`` (sliding window on every layer),
             ``"alternating"`` (local and global layers), ``"softcap"``, ``"sinks"``, ``"moe"``.
+        layer_pattern: the ``layer_types`` of the first layers, repeated over every layer (whatever their count).
     """
 
     name: str
@@ -88,6 +91,7 @@ class Family:
     config_class: str
     overrides: Mapping[str, Any]
     features: tuple[str, ...] = ()
+    layer_pattern: tuple[str, ...] | None = None
 
     @property
     def moe(self) -> bool:
@@ -134,16 +138,17 @@ _FAMILIES = [
             sliding_window=WINDOW,
             attn_logit_softcapping=2.0,
             final_logit_softcapping=30.0,
-            layer_types=_ALTERNATING,
         ),
         ("alternating", "softcap"),
+        _ALTERNATING,
     ),
     Family(
         "gemma3",
         "Gemma 3",
         "Gemma3TextConfig",
-        dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=WINDOW, layer_types=_ALTERNATING),
+        dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=WINDOW),
         ("alternating",),
+        _ALTERNATING,
     ),
     Family("phi3", "Phi-3", "Phi3Config", dict(sliding_window=WINDOW), ("window",)),
     Family("olmo2", "OLMo 2", "Olmo2Config", {}),
@@ -157,7 +162,6 @@ _FAMILIES = [
             head_dim=8,
             sliding_window=WINDOW,
             num_local_experts=4,
-            layer_types=_ALTERNATING,
             # gpt-oss's YaRN, its ratio kept (max_position_embeddings / original = 32) at this size
             rope_parameters={
                 "rope_type": "yarn",
@@ -171,6 +175,7 @@ _FAMILIES = [
             **_MOE,
         ),
         ("alternating", "sinks", "moe"),
+        _ALTERNATING,
     ),
 ]
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
@@ -184,6 +189,9 @@ def tiny_config(name: str, **overrides: Any) -> Any:
     family = FAMILIES[name]
     kwargs = {**_COMMON, **family.overrides, **overrides}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if family.layer_pattern is not None and "layer_types" not in kwargs:
+        pattern = family.layer_pattern
+        kwargs["layer_types"] = [pattern[i % len(pattern)] for i in range(kwargs["num_hidden_layers"])]
     return getattr(transformers, family.config_class)(**copy.deepcopy(kwargs))
 
 
@@ -235,6 +243,43 @@ def packed_batch(
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     flat = {"input_ids": torch.cat(list(docs)).view(1, -1), "cu_seq_lens_q": offsets}
     return from_flattening_batch(flat, total_tokens=total_tokens, capacity=capacity, max_seqlen=max_seqlen)
+
+
+def random_documents(
+    total_tokens: int, *, max_seqlen: int, capacity: int, seed: int = 0, vocab: int = VOCAB
+) -> list[Tensor]:
+    """Random documents for one ``[total_tokens]`` stream: at most ``capacity`` of them, each at most ``max_seqlen``
+    tokens (every third one at least half of it), filling ``total_tokens`` less a dead tail of up to an eighth."""
+    g = torch.Generator().manual_seed(seed)
+    budget = total_tokens - int(torch.randint(0, total_tokens // 8 + 1, (1,), generator=g))
+    lengths: list[int] = []
+    while len(lengths) < capacity and budget > 0:
+        low = max(1, max_seqlen // 2) if len(lengths) % 3 == 0 else 1
+        n = min(int(torch.randint(low, max_seqlen + 1, (1,), generator=g)), budget)
+        lengths.append(n)
+        budget -= n
+    return documents(lengths, seed=seed, vocab=vocab)
+
+
+def size_overrides(name: str, *, hidden_size: int, num_layers: int, window: int, max_positions: int) -> dict[str, Any]:
+    """Config overrides that grow family ``name``'s tiny config (for timings): 4 query heads over 2 kv heads, head
+    dim ``hidden_size / 4``, MLPs of twice the width (MoE experts: the width), windows of ``window`` tokens."""
+    family = FAMILIES[name]
+    out: dict[str, Any] = dict(
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        max_position_embeddings=max_positions,
+    )
+    if "head_dim" in family.overrides:
+        out["head_dim"] = hidden_size // 4
+    if "query_pre_attn_scalar" in family.overrides:
+        out["query_pre_attn_scalar"] = hidden_size // 4
+    if "moe_intermediate_size" in family.overrides:
+        out["moe_intermediate_size"] = hidden_size
+    if "sliding_window" in family.overrides:
+        out["sliding_window"] = window
+    return out
 
 
 def per_document_reference(model: nn.Module, docs: Sequence[Tensor]) -> tuple[list[Tensor], dict[str, Tensor]]:
