@@ -2,7 +2,9 @@
 
 The FlashAttention path cannot run on CPU; it is exercised here through fake ``varlen_attn`` functions with the
 signatures of torch 2.10 / 2.11 / 2.12+ that, like FA2, leave rows outside their segments (and past
-``max_seqlen``) unwritten: NaN in the output and in dq/dk/dv. The real kernel is tested in tests/cuda/.
+``max_seqlen``) unwritten: NaN in the output and in dq/dk/dv, and that read ``is_causal`` / ``window_size`` as FA2
+does (:func:`fa2_window`). ``fake_chunk_ops`` stands in for aten's FA2 forward and backward under
+``packgraph.ops.flash_chunks``. The real kernel is tested in tests/cuda/.
 """
 
 import math
@@ -28,8 +30,10 @@ def host_segments(params, which):
     return [(starts[i], cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]
 
 
-def attend(qi, ki, vi, causal, scale):
-    """softmax(q k^T * scale + mask) v for one document; q [lq, Hq, D], k/v [lk, Hkv, D]; GQA by h // group."""
+def attend(qi, ki, vi, causal, scale, window=(-1, -1)):
+    """softmax(q k^T * scale + mask) v for one document; q [lq, Hq, D], k/v [lk, Hkv, D]; GQA by h // group.
+    ``window=(left, right)``: query i sees key j only within ``[i + shift - left, i + shift + right]`` (-1:
+    unbounded)."""
     lq, hq, d = qi.shape
     lk, hkv, _ = ki.shape
     group = hq // hkv
@@ -37,6 +41,11 @@ def attend(qi, ki, vi, causal, scale):
     visible = torch.ones(lq, lk, dtype=torch.bool)
     if causal:  # bottom-right aligned, as FA2
         visible = j <= i + lk - lq
+    left, right = window
+    if left >= 0:
+        visible = visible & (j >= i + lk - lq - left)
+    if right >= 0:
+        visible = visible & (j <= i + lk - lq + right)
     empty = ~visible.any(dim=1)
     heads = []
     for h in range(hq):
@@ -265,10 +274,24 @@ class _NaNGradOutside(torch.autograd.Function):
         return torch.where(covered[:, None, None], grad, float("nan")), None
 
 
-def fake_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, calls, **seen):
+def fa2_window(is_causal, window_size, max_q, max_k):
+    """The (left, right) window FA2's varlen kernel applies (flash_api.cpp, mha_varlen_fwd and _bwd): causal is
+    ``right = 0`` (dropped when ``max_q == 1``, where it changes nothing), and a bound that reaches ``max_k``
+    becomes -1."""
+    left, right = window_size
+    if max_q == 1:
+        is_causal = False
+    if is_causal:
+        right = 0
+    return (-1 if left >= max_k else left), (-1 if right >= max_k else right)
+
+
+def fake_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, calls, window_size=(-1, -1), **seen):
     """FA2 semantics on CPU: segments from cu_q/cu_k; rows past a segment's first max_q (max_k) rows and rows
     in no segment are garbage (NaN) in the output and in the gradients."""
+    seen = dict(seen, window_size=tuple(window_size)) if tuple(window_size) != (-1, -1) else seen
     calls.append(dict(hq=q.shape[1], hkv=k.shape[1], max_q=max_q, scale=scale, slots=cu_q.numel() - 1, **seen))
+    window = fa2_window(causal, window_size, max_q, max_k)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     covered_q = torch.zeros(q.shape[0], dtype=torch.bool)
     covered_k = torch.zeros(k.shape[0], dtype=torch.bool)
@@ -282,7 +305,7 @@ def fake_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, calls, **seen)
     for i in range(len(cq) - 1):
         if cq[i + 1] > cq[i]:
             out[cq[i] : cq[i + 1]] = attend(
-                q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], causal, scale
+                q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], False, scale, window
             )
     return torch.where(covered_q[:, None, None], out, float("nan"))
 
@@ -296,17 +319,73 @@ def fake_apis(calls):
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
     ):
         assert query.shape[1] == key.shape[1], "no enable_gqa: heads must match"
-        assert window_size in ((-1, 0), (-1, -1))
-        return fake_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size == (-1, 0), scale, calls)
+        causal = window_size == (-1, 0)  # as varlen_attn sets is_causal
+        return fake_kernel(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale, calls, window_size=window_size
+        )
 
     def v2_12(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
     ):
         assert enable_gqa or query.shape[1] == key.shape[1]
         causal = window_size == (-1, 0)
-        return fake_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale, calls, gqa=enable_gqa)
+        return fake_kernel(
+            query,
+            key,
+            value,
+            cu_seq_q,
+            cu_seq_k,
+            max_q,
+            max_k,
+            causal,
+            scale,
+            calls,
+            window_size=window_size,
+            gqa=enable_gqa,
+        )
 
     return {"2.10": v2_10, "2.11": v2_11, "2.12": v2_12}
+
+
+def fake_chunk_ops(calls):
+    """Stand-ins for ``packgraph.ops.flash_chunks.flash_forward`` / ``flash_backward`` (aten's FA2 varlen forward
+    and backward; GQA native): the forward is :func:`fake_kernel`'s; the backward writes the grads of the slots of
+    its offsets only, recomputed in float64 from q/k/v (``out`` and ``lse`` are not used), NaN elsewhere and past
+    ``max_seqlen``, as FA2 leaves those rows unwritten. ``calls`` records ``("forward" | "backward", slots,
+    window)``."""
+
+    def window_size(window):
+        return (-1, -1) if window is None else tuple(window)
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window):
+        calls.append(("forward", cu_q.numel() - 1, window))
+        out = fake_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, [], window_size=window_size(window))
+        lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)  # unused by the fake backward
+        return out, lse, torch.zeros(2), torch.zeros(()), torch.zeros(0)
+
+    def backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, rng, unused, scale, window):
+        calls.append(("backward", cu_q.numel() - 1, window))
+        win = fa2_window(causal, window_size(window), max_q, max_k)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        for i in range(len(cq) - 1):
+            rq, rk = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+            if cq[i + 1] == cq[i] or ck[i + 1] == ck[i]:  # no query or no key: zero grads
+                for g, r in zip(grads, (rq, rk, rk), strict=True):
+                    g[r] = 0.0
+                continue
+            leaves = [x[r].detach().requires_grad_() for x, r in ((q, rq), (k, rk), (v, rk))]
+            with torch.enable_grad():
+                seg = attend(*leaves, False, scale, win)
+                got = torch.autograd.grad(seg, leaves, grad[rq], allow_unused=True)
+            for g, x, gx, r, limit in zip(grads, leaves, got, (rq, rk, rk), (max_q, max_k, max_k), strict=True):
+                part = torch.zeros_like(x) if gx is None else gx
+                part[limit:] = float("nan")  # FA2 writes no row past max_seqlen of a segment
+                g[r] = part
+        return tuple(grads)
+
+    return forward, backward
 
 
 def test_installed_torch_varlen_signature_is_understood():

@@ -15,6 +15,25 @@ Contract (both paths):
 * Graph-safe: no ``.item()``/``.tolist()``/``.cpu()`` and no Python branch on device values. Everything
   derived from the offsets is built on the device with fixed shapes (capacity, T), so a captured graph stays
   valid when the offsets change. ``max_seqlen_*`` are static Python ints.
+
+Options (keyword arguments; all static Python values except ``sinks``; each one is exact on every path that takes
+it, and leaves the contract above as it is: dead rows are exact zeros with exact-zero grads, and NaN/Inf in one
+document reaches no other):
+
+* ``window=(left, right)``: FlashAttention's sliding window, bottom-right aligned like the causal mask: query
+  ``i`` of a sequence sees key ``j`` iff ``i + shift - left <= j <= i + shift + right`` with
+  ``shift = len_kv - len_q``; ``-1`` leaves that side unbounded. ``causal=True`` makes ``right`` 0. A window that
+  bounds nothing (``(-1, -1)``; ``(-1, 0)``, which is ``causal``) is the same call as none.
+* ``softcap=c``: Gemma-2's logit softcapping, ``scores = c * tanh(scores / c)`` after the scale and before the mask.
+* ``sinks``: gpt-oss's attention sinks, one logit per query head (``[Hq]``) that joins each row's softmax
+  denominator without a value: ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sinks[h]))``. Not scaled, not softcapped.
+  A row that sees no key still outputs 0 and gives the sinks no grad; ``sinks``' grad sums over every live row, so
+  a NaN in any document reaches it, as it would a weight's.
+
+Which path takes what (:func:`varlen_attention` dispatches): the reference takes everything. FlashAttention-2
+takes ``window`` (torch >= 2.11: ``varlen_attn``'s ``window_size``) in its one call, its slot-chunked backward and
+short_docs. ``softcap`` and ``sinks`` run the reference on CUDA too, for now: exact, but O(Hq * Tq * Tk) memory
+(docs/attention.md has the FlashAttention design for sinks).
 """
 
 from __future__ import annotations
@@ -22,6 +41,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -135,6 +155,43 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams) -> N
         raise PackedSeqParamsError("cu_seqlens_kv", "q/kv capacity mismatch")
 
 
+Window = tuple[int, int]
+
+
+def _check_options(
+    q: Tensor, causal: bool, window: Any, softcap: Any, sinks: Any
+) -> tuple[bool, Window | None, float | None]:
+    """Checks ``window``, ``softcap`` and ``sinks`` (host values only) and returns ``(causal, window, softcap)`` in
+    one canonical form: ``window`` is None unless it bounds something, and then its ``right`` is 0 exactly when
+    the attention is causal (``(left, 0)`` without ``causal`` is causal); ``softcap`` is a float or None."""
+    if window is not None:
+        if (
+            not isinstance(window, (tuple, list))
+            or len(window) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1 for w in window)
+        ):
+            raise ValueError(f"varlen_attention: window must be None or (left, right), two ints >= -1, got {window!r}")
+        left, right = int(window[0]), int(window[1])
+        if causal or right == 0:
+            causal, right = True, 0
+        window = None if left == -1 and right in (-1, 0) else (left, right)
+    if softcap is not None:
+        if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not 0 < softcap < math.inf:
+            raise ValueError(f"varlen_attention: softcap must be None or a finite number > 0, got {softcap!r}")
+        softcap = float(softcap)
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+            shape = list(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+            raise ValueError(
+                f"varlen_attention: sinks must be a 1-D tensor of one logit per query head ({q.shape[1]}), got {shape}"
+            )
+        if not sinks.is_floating_point():
+            raise ValueError(f"varlen_attention: sinks must be floating point, got {sinks.dtype}")
+        if sinks.device != q.device:
+            raise ValueError(f"varlen_attention: sinks must be on q's device ({q.device}), got {sinks.device}")
+    return causal, window, softcap
+
+
 # ---------------------------------------------------------------------------------------------------- reference
 def varlen_attention_reference(
     q: Tensor,
@@ -144,10 +201,13 @@ def varlen_attention_reference(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """Exact varlen attention with a block-diagonal (causal) mask built on the device.
+    """Exact varlen attention with a block-diagonal (causal, windowed) mask built on the device.
 
-    Same contract as :func:`varlen_attention` (module docstring). Sequences stay apart as in FlashAttention:
+    Same contract and options as :func:`varlen_attention` (module docstring). Sequences stay apart as in FlashAttention:
     each sequence's output and gradients read only its own rows, so NaN/Inf in another sequence or in dead rows
     never reaches it, and dead rows still get exact zeros; within a sequence a non-finite value spreads only
     along the pairs the (causal) mask allows. Computes in the input dtype, upcast to float32 for half types.
@@ -155,19 +215,49 @@ def varlen_attention_reference(
     take. Differentiable once (no double backward); graph-safe (no host sync).
     """
     _check_inputs(q, k, v, packed_seq_params)
-    return _reference_attention(q, k, v, packed_seq_params, causal=causal, softmax_scale=softmax_scale)
+    causal, window, softcap = _check_options(q, causal, window, softcap, sinks)
+    return _reference_attention(
+        q,
+        k,
+        v,
+        packed_seq_params,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+    )
 
 
 def _reference_attention(
-    q: Tensor, k: Tensor, v: Tensor, packed_seq_params: PackedSeqParams, *, causal: bool, softmax_scale: float | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    packed_seq_params: PackedSeqParams,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+    window: Window | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
+    """The reference on checked inputs and canonical options (:func:`_check_options`)."""
     rows_q, rows_k = _row_layouts(q, k, packed_seq_params)
     visible = (rows_q.slot[:, None] == rows_k.slot[None, :]) & rows_q.live[:, None] & rows_k.live[None, :]
-    if causal:
+    if causal or window is not None:
         # Bottom-right alignment (FA2): shift = len_kv - len_q of the query's own sequence.
         len_kv_of_q_slot = torch.cat([_lengths(packed_seq_params.cu_seqlens_kv), rows_q.length.new_zeros(1)])
         shift = len_kv_of_q_slot.gather(0, rows_q.slot) - rows_q.length
+    if causal:
         visible = visible & (rows_k.pos[None, :] <= (rows_q.pos + shift)[:, None])
+    if window is not None:
+        # Key j of query i sits at j - (i + shift) from the query's diagonal: at most left before it, right after.
+        offset = rows_k.pos[None, :] - (rows_q.pos + shift)[:, None]
+        left, right = window
+        if left >= 0:
+            visible = visible & (offset >= -left)
+        if right >= 0 and not causal:
+            visible = visible & (offset <= right)
 
     compute = torch.float32 if q.dtype in _FLASH_DTYPES else q.dtype
     tq, hq, d = q.shape
@@ -179,7 +269,11 @@ def _reference_attention(
         qh = q.to(compute).reshape(tq, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
         kh = k.to(compute).permute(1, 0, 2)  # [Hkv, Tk, D]
         vh = v.to(compute).permute(1, 0, 2)
-        out = _IsolatedAttention.apply(qh, kh, vh, visible, scale)  # [Hkv, G, Tq, D]
+        if softcap is None and sinks is None:
+            out = _IsolatedAttention.apply(qh, kh, vh, visible, scale)  # [Hkv, G, Tq, D]
+        else:
+            sink = None if sinks is None else sinks.to(compute).reshape(hkv, hq // hkv, 1, 1)
+            out = _IsolatedAttention.apply(qh, kh, vh, visible, scale, softcap, sink)
     return out.permute(2, 0, 1, 3).reshape(tq, hq, d).to(q.dtype)
 
 
@@ -202,45 +296,88 @@ class _IsolatedAttention(torch.autograd.Function):
     (query, key) pair only where ``visible [Tq, Tk]`` allows it: NaN/Inf in one document, or in dead rows, never
     reaches another document, and rows that see no key get exact zeros.
 
+    Options: ``softcap`` (a float) caps the scaled scores at ``softcap * tanh(scores / softcap)``; ``sink``
+    (``[Hkv, G, 1, 1]``, one logit per query head) joins every row's softmax denominator without a value.
+
     Autograd through a masked softmax cannot give this: its backward multiplies structural zeros by other rows'
     values (0 x NaN = NaN). The backward is written by hand so that every such product is a selection or a
     :func:`_visible_matmul`.
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
+    def forward(
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        visible: Tensor,
+        scale: float,
+        softcap: float | None = None,
+        sink: Tensor | None = None,
+    ) -> Tensor:
         hidden = ~visible
         visible_f = visible.to(q.dtype)
         scores = (q @ k[:, None].transpose(-1, -2)).mul_(scale)  # [Hkv, G, Tq, Tk]: each reads one q and one k row
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)
         # A finite fill, not -inf: a row with no visible key gets a uniform softmax that the second fill zeroes.
         scores.masked_fill_(hidden, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1).masked_fill_(hidden, 0.0)
+        if sink is None:
+            probs = torch.softmax(scores, dim=-1).masked_fill_(hidden, 0.0)
+            sink_probs = None
+        else:
+            # softmax over the row's scores and its sink: the row's max (at least the sink) keeps exp() finite, and
+            # a row with no visible key puts all its mass on the sink (its filled scores' exp() underflows to 0).
+            if scores.shape[-1]:
+                top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+            else:  # no key row at all (amax refuses an empty dim)
+                top = sink.expand(*scores.shape[:-1], 1)
+            probs = scores.sub_(top).exp_()
+            sink_probs = (sink - top).exp_()  # [Hkv, G, Tq, 1]
+            total = probs.sum(dim=-1, keepdim=True).add_(sink_probs)
+            probs = probs.div_(total).masked_fill_(hidden, 0.0)
+            sink_probs = sink_probs.div_(total)
         out = _visible_matmul(probs, v[:, None], visible_f)
-        ctx.save_for_backward(q, k, v, hidden, visible_f, probs, out)
+        ctx.save_for_backward(q, k, v, hidden, visible_f, probs, out, sink_probs)
         ctx.scale = scale
+        ctx.softcap = softcap
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
-        q, k, v, hidden, visible_f, probs, out = ctx.saved_tensors
+    def backward(ctx, dout: Tensor):
+        q, k, v, hidden, visible_f, probs, out, sink_probs = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq = dk = dv = None
+        need_sink = sink_probs is not None and ctx.needs_input_grad[6]
+        dq = dk = dv = dsink = None
         with torch.autocast(dout.device.type, enabled=False):
             seen_by = visible_f.transpose(0, 1)  # [Tk, Tq]: which queries each key reaches
             if need_v:
                 dv = _visible_matmul(probs.transpose(-1, -2), dout, seen_by).sum(dim=1)
-            if need_q or need_k:
-                # rowsum(dout * out) is the softmax backward's per-row term. The fill selects the visible pairs
-                # rather than trusting probs' zeros: dead rows' dout and other documents' v reach dprobs there.
+            if need_q or need_k or need_sink:
+                # rowsum(dout * out) is the softmax backward's per-row term (the sink has no value: it adds no
+                # term of its own). The fill selects the visible pairs rather than trusting probs' zeros: dead
+                # rows' dout and other documents' v reach dprobs there.
                 row_term = (dout * out).sum(dim=-1, keepdim=True)
+            if need_sink:
+                # d sink = -p_sink * rowsum(dout * out) per row, summed over the rows that see a key: the others
+                # (dead rows among them, whose dout may be anything) output 0 and give the sink nothing.
+                sees_any = (visible_f.sum(dim=-1) > 0)[:, None]  # [Tq, 1]
+                dsink = torch.where(sees_any, sink_probs * row_term, 0).sum(dim=2, keepdim=True).neg_()
+            if need_q or need_k:
                 dprobs = dout @ v[:, None].transpose(-1, -2)  # each entry reads one dout and one v row
-                dscores = dprobs.sub_(row_term).mul_(probs).masked_fill_(hidden, 0.0)
+                dscores = dprobs.sub_(row_term).mul_(probs)
+                if ctx.softcap is not None:
+                    # d(c * tanh(x / c)) / dx = 1 - tanh(x / c)^2, recomputed rather than kept from the forward;
+                    # the fill below also drops what other documents' rows make of it.
+                    tanh = (q @ k[:, None].transpose(-1, -2)).mul_(ctx.scale).div_(ctx.softcap).tanh_()
+                    dscores.mul_(tanh.square_().neg_().add_(1.0))
+                dscores.masked_fill_(hidden, 0.0)
                 if need_q:
                     dq = _visible_matmul(dscores, k[:, None], visible_f).mul_(ctx.scale)
                 if need_k:
                     dk = _visible_matmul(dscores.transpose(-1, -2), q, seen_by).sum(dim=1).mul_(ctx.scale)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None, dsink
 
 
 def _lengths(cu: Tensor) -> Tensor:
@@ -252,9 +389,9 @@ def _lengths(cu: Tensor) -> Tensor:
 class _VarlenAPI:
     """How to call one torch version's ``varlen_attn``; built once from its signature.
 
-    torch 2.10 takes ``is_causal``; 2.11 takes ``window_size`` ((-1, 0) is causal) and ``scale``; 2.12+ adds
-    ``enable_gqa``. A plain class (not a frozen dataclass, not behind ``lru_cache``) so that torch.compile can
-    trace through it: dynamo failed on the frozen-dataclass attribute access.
+    torch 2.10 takes ``is_causal``; 2.11 takes ``window_size`` ((-1, 0) is causal; a sliding window otherwise)
+    and ``scale``; 2.12+ adds ``enable_gqa``. A plain class (not a frozen dataclass, not behind ``lru_cache``) so
+    that torch.compile can trace through it: dynamo failed on the frozen-dataclass attribute access.
     """
 
     def __init__(self, fn: Callable[..., Tensor], causal_kw: str, has_scale: bool, has_enable_gqa: bool) -> None:
@@ -286,10 +423,14 @@ class _VarlenAPI:
         *,
         causal: bool,
         softmax_scale: float | None,
+        window: Window | None = None,
     ) -> Tensor:
         kwargs: dict[str, Any] = {}
         if self.causal_kw == "window_size":
-            kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+            # A canonical window (_check_options) already has right == 0 when causal.
+            kwargs["window_size"] = window if window is not None else (-1, 0) if causal else (-1, -1)
+        elif window is not None:
+            raise NotImplementedError(_NEEDS_WINDOW_SIZE)
         else:
             kwargs["is_causal"] = causal
         group = q.shape[1] // k.shape[1]
@@ -322,6 +463,12 @@ def _detect_torch_varlen_api() -> _VarlenAPI | None:
 
 
 _TORCH_VARLEN_API = _detect_torch_varlen_api()  # detected once, at import
+
+_MIN_TORCH_FOR_WINDOW = "2.11"
+_NEEDS_WINDOW_SIZE = (
+    f"varlen_attention: window on CUDA fp16/bf16 needs torch >= {_MIN_TORCH_FOR_WINDOW} (varlen_attn's window_size); "
+    f"this is torch {torch.__version__}. Upgrade torch, or pass float32 tensors to use the exact (O(T^2)) reference."
+)
 
 
 def _torch_varlen_api() -> _VarlenAPI | None:
@@ -380,15 +527,20 @@ def _flash_attention(
     causal: bool,
     softmax_scale: float | None,
     api: _VarlenAPI,
+    window: Window | None = None,
 ) -> Tensor:
+    """FA2 on checked inputs and a canonical window (:func:`_check_options`) that :func:`_flash_takes_window`
+    accepts."""
     for name in ("max_seqlen_q", "max_seqlen_kv"):
         if not isinstance(getattr(params, name), int):
             raise PackedSeqParamsError(name, "required (a static Python int) for FlashAttention")
+    if window is not None and api.causal_kw != "window_size":
+        raise NotImplementedError(_NEEDS_WINDOW_SIZE)
     rows_q, rows_k = _row_layouts(q, k, params)
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if _short_docs_apply(q, k, params, causal):
         flash = functools.partial(
-            _run_flash, params=params, causal=causal, softmax_scale=softmax_scale, api=api, grads=grads
+            _run_flash, params=params, causal=causal, softmax_scale=softmax_scale, api=api, grads=grads, window=window
         )
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         return short_and_long_attention(
@@ -402,6 +554,7 @@ def _flash_attention(
             scale=scale,
             flash=flash,
             zero_dead_grad=_ZeroDeadRowGrad.apply,
+            window_left=None if window is None else window[0],
         )
     if q.requires_grad:
         q = _ZeroDeadRowGrad.apply(q, rows_q.live)
@@ -410,7 +563,16 @@ def _flash_attention(
     if v.requires_grad:
         v = _ZeroDeadRowGrad.apply(v, rows_k.live)
     out = _run_flash(
-        q, k, v, *flash_offsets(params), params=params, causal=causal, softmax_scale=softmax_scale, api=api, grads=grads
+        q,
+        k,
+        v,
+        *flash_offsets(params),
+        params=params,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        api=api,
+        grads=grads,
+        window=window,
     )
     # The kernel leaves dead rows unwritten (garbage, possibly NaN): select zeros, don't multiply.
     return torch.where(rows_q.live[:, None, None], out, 0)
@@ -428,13 +590,14 @@ def _run_flash(
     softmax_scale: float | None,
     api: _VarlenAPI,
     grads: bool,
+    window: Window | None = None,
 ) -> Tensor:
     """One FA2 varlen call on offsets ``cu_q``/``cu_k`` at ``params``' max_seqlen; dead rows left unwritten."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     # Many slots (ghosts included) would size FA2's backward dq accumulator by the slot count: split it.
     run = flash_attention_slot_chunks if cu_q.numel() - 1 > SLOTS_PER_BACKWARD and grads else api
     max_q, max_k = params.max_seqlen_q, params.max_seqlen_kv
-    return run(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=softmax_scale)
+    return run(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=softmax_scale, window=window)
 
 
 def _short_docs_apply(q: Tensor, k: Tensor, params: PackedSeqParams, causal: bool) -> bool:
@@ -453,6 +616,19 @@ def _short_docs_apply(q: Tensor, k: Tensor, params: PackedSeqParams, causal: boo
     )
 
 
+def _flash_takes_window(window: Window | None, params: PackedSeqParams) -> bool:
+    """Whether FA2 computes this canonical window as documented. FA2 drops a bound that reaches ``max_seqlen_kv``
+    (``window_size >= max_seqlen_k`` becomes -1, forward and backward). On the left that changes nothing (such a
+    bound passes every key), nor on the right when ``right >= len_q - 1``; a query of a longer q sequence would see
+    keys past ``i + shift + right``. Static: decided on ``max_seqlen_q`` (an upper bound of ``len_q``)."""
+    if window is None or window[1] < 0:
+        return True
+    max_q, max_k = params.max_seqlen_q, params.max_seqlen_kv
+    if not (isinstance(max_q, int) and isinstance(max_k, int)):
+        return True  # _flash_attention refuses them, naming the field
+    return window[1] < max_k or max_q <= window[1] + 1
+
+
 def _flash_eligible(q: Tensor) -> bool:
     d = q.shape[-1]
     return q.is_cuda and q.dtype in _FLASH_DTYPES and d % 8 == 0 and d <= _FLASH_MAX_HEAD_DIM
@@ -467,10 +643,13 @@ def varlen_attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention over packed sequences: ``[Tq, Hq, D]`` x ``[Tk, Hkv, D]`` -> ``[Tq, Hq, D]``.
 
-    See the module docstring for the layout, GQA, dead-row and causal-alignment contract.
+    See the module docstring for the layout, GQA, dead-row and causal-alignment contract, and for the options.
 
     Dispatch: CUDA tensors in fp16/bf16 with ``head_dim % 8 == 0`` and ``head_dim <= 256`` run torch's
     FlashAttention-2 varlen op (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10), which has a backward
@@ -479,8 +658,12 @@ def varlen_attention(
     their backward in chunks of slots, 512 then fewer (:mod:`packgraph.ops.flash_chunks`): FA2 sizes a backward
     buffer by the slot count. Causal self-attention on offsets of at least
     :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` slots (129 by default) runs :mod:`packgraph.ops.short_docs`
-    instead, whose cost does not grow with the slot count. Everything else runs
-    :func:`varlen_attention_reference`.
+    instead, whose cost does not grow with the slot count. ``window`` runs on all three (torch >= 2.11); a causal
+    window of at most :data:`packgraph.ops.short_docs.BLOCK` keys to the left runs every document of short_docs in
+    its local blocks. Everything else runs :func:`varlen_attention_reference`, exact but O(Hq * Tq * Tk) memory:
+    other dtypes, head sizes and devices; ``softcap`` and ``sinks`` (FA2 in torch has no softcap, and its backward
+    takes no gradient of the logsumexp that sinks need); and a non-causal window whose right bound reaches
+    ``max_seqlen_kv`` while ``max_seqlen_q`` exceeds it by more than one (FA2 would drop that bound).
 
     Args:
         q: ``[Tq, Hq, D]``.
@@ -488,13 +671,18 @@ def varlen_attention(
         packed_seq_params: ``qkv_format="thd"`` params whose offsets live on q's device.
         causal: causal mask within each sequence (bottom-right aligned when q/kv lengths differ).
         softmax_scale: defaults to ``1 / sqrt(D)``.
+        window: ``(left, right)`` sliding window in FlashAttention's convention (ints >= -1; -1: unbounded).
+        softcap: softcap the scaled scores at ``softcap * tanh(scores / softcap)`` (a finite float > 0).
+        sinks: ``[Hq]`` floating tensor on q's device, one sink logit per query head (differentiable).
 
     Raises:
-        ValueError: bad shapes/dtypes/devices (``PackedSeqParamsError`` for the params).
+        ValueError: bad shapes/dtypes/devices or options (``PackedSeqParamsError`` for the params).
         RuntimeError: the FA2 path is needed but this torch has no ``varlen_attn``.
+        NotImplementedError: a window on the FA2 path of torch 2.10 (its ``varlen_attn`` has no ``window_size``).
     """
     _check_inputs(q, k, v, packed_seq_params)
-    if _flash_eligible(q):
+    causal, window, softcap = _check_options(q, causal, window, softcap, sinks)
+    if _flash_eligible(q) and softcap is None and sinks is None and _flash_takes_window(window, packed_seq_params):
         api = _torch_varlen_api()
         if api is None:
             raise RuntimeError(
@@ -502,5 +690,17 @@ def varlen_attention(
                 f"(torch >= {_MIN_TORCH_FOR_FLASH}); this is torch {torch.__version__}. "
                 "Upgrade torch, or pass float32 tensors to use the exact (O(T^2)) reference."
             )
-        return _flash_attention(q, k, v, packed_seq_params, causal=causal, softmax_scale=softmax_scale, api=api)
-    return _reference_attention(q, k, v, packed_seq_params, causal=causal, softmax_scale=softmax_scale)
+        return _flash_attention(
+            q, k, v, packed_seq_params, causal=causal, softmax_scale=softmax_scale, api=api, window=window
+        )
+    return _reference_attention(
+        q,
+        k,
+        v,
+        packed_seq_params,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+    )

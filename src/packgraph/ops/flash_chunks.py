@@ -16,6 +16,8 @@ Contract (what makes the split exact):
 * A row's grads are computed from its own sequence only, so they are the values the one-call backward gives
   (``bench/fa_ghosts.py`` compares them on the GPU).
 * Graph-safe: the chunks are static slices of the offsets; no host read.
+* A sliding window (``window=(left, right)``) goes to the forward and to every chunk's backward: it acts within
+  each sequence, so it does not change which rows a chunk writes.
 
 Memory: the first call's grads become the results (its rows outside the chunk zeroed in place) and each later
 call's rows are written into them in place, so the results are held while the later calls run. Those calls take
@@ -45,6 +47,43 @@ __all__ = [
 SLOTS_PER_BACKWARD = 512
 
 ChunkBackward = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+
+
+def _window_kwargs(window: tuple[int, int] | None) -> dict[str, int]:
+    # No window: the call as before windows existed (aten's defaults).
+    return {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
+
+
+def flash_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale, window):
+    """aten's FA2 varlen forward: ``(out, logsumexp, rng_state, unused, debug_mask)``. A module attribute, so that
+    the CPU tests can put a stand-in here (tests/ops)."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, **_window_kwargs(window)
+    )
+
+
+def flash_backward(
+    grad, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, rng, unused, scale, window
+):
+    """aten's FA2 varlen backward on the slots of ``cu_q``/``cu_k``: ``(dq, dk, dv)`` (see :func:`flash_forward`)."""
+    return torch.ops.aten._flash_attention_backward(
+        grad,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        rng,
+        unused,
+        scale=scale,
+        **_window_kwargs(window),
+    )
 
 
 def backward_in_slot_chunks(
@@ -110,28 +149,26 @@ class _FlashSlotChunks(torch.autograd.Function):
     """FA2 varlen forward in one call (it has no per-slot buffer); the backward in chunks of slots."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float | None):
-        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
-        )
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float | None, window=None):
+        out, lse, rng, unused, _ = flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window)
         ctx.save_for_backward(q, k, v, out, lse, rng, unused, cu_q, cu_k)
-        ctx.static = (max_q, max_k, causal, scale)
+        ctx.static = (max_q, max_k, causal, scale, window)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, k, v, out, lse, rng, unused, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, causal, scale = ctx.static
+        max_q, max_k, causal, scale, window = ctx.static
         grad = grad.contiguous()
 
         def chunk(sub_q: Tensor, sub_k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-            return torch.ops.aten._flash_attention_backward(
-                grad, q, k, v, out, lse, sub_q, sub_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale
+            return flash_backward(
+                grad, q, k, v, out, lse, sub_q, sub_k, max_q, max_k, causal, rng, unused, scale, window
             )
 
         later = later_slots(q, k, v, SLOTS_PER_BACKWARD)
         dq, dk, dv = backward_in_slot_chunks(chunk, cu_q, cu_k, q.shape[0], k.shape[0], SLOTS_PER_BACKWARD, later)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def flash_attention_slot_chunks(
@@ -145,10 +182,14 @@ def flash_attention_slot_chunks(
     *,
     causal: bool,
     softmax_scale: float | None,
+    window: tuple[int, int] | None = None,
 ) -> Tensor:
     """FA2 varlen attention (torch's ``aten._flash_attention_forward``, GQA native) whose backward runs on
     :data:`SLOTS_PER_BACKWARD` slots, then on chunks of :func:`later_slots`. Same inputs and output as
-    ``varlen_attn``; rows outside every slot are left unwritten (the caller zeroes them)."""
+    ``varlen_attn``; rows outside every slot are left unwritten (the caller zeroes them). ``window``: ``(left,
+    right)`` in FA2's convention, right 0 when causal (None: no window)."""
     if q.shape[1] != k.shape[1]:
         max_q = gqa_max_seqlen_q(max_q)
-    return _FlashSlotChunks.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale)
+    if window is None:  # the call as before windows existed
+        return _FlashSlotChunks.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale)
+    return _FlashSlotChunks.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window)

@@ -24,6 +24,10 @@ Contract (that of ``varlen_attention``, for what it is used on):
   q/k/v must be finite (a NaN there reaches the short documents beside it through the mask's ``-inf``). They are
   in a model whose dead rows hold real tokens, or the zeros an earlier attention layer writes there;
 * graph-safe: both paths have fixed shapes (``T``, :data:`BLOCK`, the long-document bound) and no host read;
+* a causal sliding window of ``left`` keys (FA2's ``window=(left, 0)``) narrows the local mask to rows at most
+  ``left`` before the query and goes to the FA2 call. With ``left <= BLOCK`` every query's keys lie in its block
+  and the one before, whatever its document's length: then every document takes the local path and there is no
+  FA2 call;
 * memory: the local path keeps nothing of its own for the backward but its additive mask (``T * 2 * BLOCK``
   elements of q's dtype); its backward recomputes its forward (cheap at this size) from the q/k/v the FA2 call
   keeps anyway. Its windows are overlapping views of the padded k/v, not copies.
@@ -100,10 +104,11 @@ def _pad_rows(x: Tensor, front: int, back: int, value: float = 0) -> Tensor:
     return F.pad(x, (0, 0) * (x.dim() - 1) + (front, back), value=value)
 
 
-def local_mask(slot: Tensor, dtype: torch.dtype) -> Tensor:
+def local_mask(slot: Tensor, dtype: torch.dtype, window_left: int | None = None) -> Tensor:
     """``[nb, 1, BLOCK, 2 * BLOCK]`` additive mask of ``dtype`` (0 or -inf): which key of its window (the block
-    before, then its own) each row of a block sees: the same slot, not after it. From the rows' ``slot`` (int64
-    ``[T]``). Additive, so that the attention's forward and its recomputation do not each convert a bool one."""
+    before, then its own) each row of a block sees: the same slot, not after it, and with ``window_left`` not more
+    than that many rows before it. From the rows' ``slot`` (int64 ``[T]``). Additive, so that the attention's
+    forward and its recomputation do not each convert a bool one."""
     t = slot.shape[0]
     nb = -(-t // BLOCK)
     # Padding rows: -1 after the stream (they see each other: finite, and discarded), -2 before it (never seen).
@@ -111,6 +116,8 @@ def local_mask(slot: Tensor, dtype: torch.dtype) -> Tensor:
     same = padded[BLOCK:].view(nb, BLOCK, 1) == _windows(padded, nb)[:, None, :]
     # Key j of a window is row j - BLOCK of the block's own numbering: seen by rows i >= j - BLOCK.
     causal = torch.ones(BLOCK, 2 * BLOCK, dtype=torch.bool, device=slot.device).tril_(BLOCK)
+    if window_left is not None:  # and j - BLOCK >= i - window_left
+        causal.triu_(BLOCK - window_left)
     return torch.where(same & causal, torch.zeros((), dtype=dtype, device=slot.device), float("-inf"))[:, None]
 
 
@@ -197,22 +204,26 @@ def short_and_long_attention(
     scale: float,
     flash: Flash,
     zero_dead_grad: Callable[[Tensor, Tensor], Tensor],
+    window_left: int | None = None,
 ) -> Tensor:
     """Causal self-attention of the documents of ``cu`` (module docstring): ``[T, Hq, D]``.
 
     ``slot``, ``length`` and ``live`` are the rows' layout (``row_layout``); ``flash`` runs FA2 on the long
-    documents' offsets; ``zero_dead_grad(x, keep)`` is the identity whose backward zeroes the rows not in
-    ``keep``.
+    documents' offsets (with the caller's window); ``zero_dead_grad(x, keep)`` is the identity whose backward
+    zeroes the rows not in ``keep``; ``window_left``: the causal window's left bound (None: unbounded).
     """
-    # Without padded twins the only dead rows are the tail, whose length reads 0: never long.
-    is_long = length > BLOCK
-    cu_long = long_doc_offsets(cu, q.shape[0])
-
-    out_long = flash(*(zero_dead_grad(t, is_long) if t.requires_grad else t for t in (q, k, v)), cu_long, cu_long)
-    mask = local_mask(slot, q.dtype)
+    local_only = window_left is not None and window_left <= BLOCK
+    if not local_only:
+        # Without padded twins the only dead rows are the tail, whose length reads 0: never long.
+        is_long = length > BLOCK
+        cu_long = long_doc_offsets(cu, q.shape[0])
+        out_long = flash(*(zero_dead_grad(t, is_long) if t.requires_grad else t for t in (q, k, v)), cu_long, cu_long)
+    mask = local_mask(slot, q.dtype, window_left)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out_short = _LocalRecomputed.apply(q, k, v, mask, scale)
     else:
         out_short = local_block_attention(q, k, v, mask, scale=scale)
+    if local_only:
+        return torch.where(live[:, None, None], out_short, 0)
     # FA2 leaves the short documents' rows of its call unwritten or wrong: select, don't add.
     return torch.where(is_long[:, None, None], out_long, torch.where(live[:, None, None], out_short, 0))
