@@ -1,44 +1,8 @@
-"""What the model-family tests share: pytest params per family (marked while ``varlen_attention`` lacks a keyword a
-family needs) and a stand-in recorder that, like a CUDA graph, captures integer indexing.
-"""
+"""What the model-family tests share: a stand-in recorder that, like a CUDA graph, captures integer indexing."""
 
-import inspect
-
-import pytest
 import torch
 
-from packgraph.integrations.hf_families import FAMILIES, Family
-from packgraph.ops import varlen_attention
 from tests import eager_recorder
-
-OPS_KEYWORDS = frozenset(inspect.signature(varlen_attention).parameters)
-
-
-def needed_keywords(family: Family) -> list[str]:
-    """The ``varlen_attention`` keywords the family's attention passes (its documents are longer than its window)."""
-    features = {"window": family.windowed, "softcap": "softcap" in family.features, "sinks": "sinks" in family.features}
-    return [k for k, used in features.items() if used]
-
-
-def missing_keywords(family: Family) -> list[str]:
-    return [k for k in needed_keywords(family) if k not in OPS_KEYWORDS]
-
-
-def family_param(name: str, *values):
-    """``pytest.param(name, *values)``, an expected failure while ``varlen_attention`` lacks a keyword it needs."""
-    missing = missing_keywords(FAMILIES[name])
-    marks = []
-    if missing:
-        reason = (
-            f"packgraph.ops.varlen_attention has no {', '.join(missing)} keyword yet (the ops change that adds window, "
-            f"softcap and sinks has not landed); {FAMILIES[name].title} passes it"
-        )
-        marks.append(pytest.mark.xfail(reason=reason, strict=True))
-    return pytest.param(name, *values, marks=marks, id="-".join([name, *map(str, values)]))
-
-
-def family_params():
-    return [family_param(name) for name in FAMILIES]
 
 
 # ---------------------------------------------------------------------------------------------------- stand-in

@@ -22,7 +22,6 @@ from packgraph.integrations.hf_families import (  # noqa: E402
     tiny_model,
 )
 from packgraph.params import PackedSeqParams  # noqa: E402
-from tests.integrations.hf_family_cases import family_params  # noqa: E402
 
 # float32 throughout. transformers' eager attention takes its softmax in float32 over whole documents, packgraph's over
 # the packed stream; the sums run in another order, which moves logits by ~2e-6 and grads by ~3e-7 here.
@@ -30,7 +29,7 @@ LOGITS_TOL = dict(atol=1e-5, rtol=1e-5)
 GRADS_TOL = dict(atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", family_params())
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_packed_logits_and_grads_equal_each_document_alone(name):
     family = FAMILIES[name]
     model = tiny_model(name).train()

@@ -26,7 +26,7 @@ from packgraph.graphs.safety import GraphCaptureError  # noqa: E402
 from packgraph.integrations import hf  # noqa: E402
 from packgraph.integrations.hf_families import FAMILIES, documents, packed_batch, tiny_model  # noqa: E402
 from tests.eager_recorder import EagerRecorder, OpReplayRecorder  # noqa: E402
-from tests.integrations.hf_family_cases import IntegerIndexOpReplayRecorder, family_param  # noqa: E402
+from tests.integrations.hf_family_cases import IntegerIndexOpReplayRecorder  # noqa: E402
 
 TOL = dict(atol=1e-6, rtol=1e-5)
 MOE = [n for n, f in FAMILIES.items() if f.moe]
@@ -52,18 +52,13 @@ def _cases():
     cases = []
     for name, family in FAMILIES.items():
         for experts in ("grouped_mm", "batched_mm", "eager") if family.moe else (None,):
-            for scope in hf.SCOPES:
-                cases.append(family_param(name, experts, scope) if family.moe else family_param(name, scope))
+            ids = [name, experts] if experts else [name]
+            cases += [pytest.param(name, experts, scope, id="-".join([*ids, scope])) for scope in hf.SCOPES]
     return cases
 
 
-def _split(args):
-    return (args[0], None, args[1]) if len(args) == 2 else args
-
-
-@pytest.mark.parametrize("case", [pytest.param(p.values, marks=p.marks, id=p.id) for p in _cases()])
-def test_graphed_scopes_equal_packed_eager(case):
-    name, experts, scope = _split(case)
+@pytest.mark.parametrize("name,experts,scope", _cases())
+def test_graphed_scopes_equal_packed_eager(name, experts, scope):
     model = tiny_model(name, experts_implementation=experts).train()
     ref = tiny_model(name, state_dict=model.state_dict(), experts_implementation=experts).train()
     batches = _batches()
@@ -115,17 +110,12 @@ def test_router_logits_are_refused_where_the_routers_are_graphed(scope):
 
 
 # ---------------------------------------------------------------------------------------------------- Trainer
-@pytest.mark.parametrize(
-    "case",
-    [pytest.param(p.values, marks=p.marks, id=p.id) for p in (family_param("gpt_oss", "attn"),
-                                                               family_param("gemma2", "layer"))],
-)  # fmt: skip
-def test_packgraph_trainer_graphed_equals_packed_eager(case, tmp_path):
+@pytest.mark.parametrize("name,scope", [("gpt_oss", "attn"), ("gemma2", "layer")])
+def test_packgraph_trainer_graphed_equals_packed_eager(name, scope, tmp_path):
     """The same path as a Llama: PackgraphTrainer with graphs (stand-in) trains like PackgraphTrainer without."""
     from packgraph.buckets import BucketPolicy
     from packgraph.integrations.hf_trainer import PackgraphTrainer, pack_dataset
 
-    name, scope = case
     total = 64
     policy = BucketPolicy((32, 64), (8,))
     examples = [{"input_ids": d.tolist()} for d in documents((5, 17, 1, 9, 12, 26, 30, 2, 7, 11, 20, 13), seed=5)]
