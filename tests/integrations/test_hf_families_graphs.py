@@ -139,3 +139,22 @@ def test_packgraph_trainer_graphed_equals_packed_eager(name, scope, tmp_path):
             assert trainer.packgraph_layers is not None and trainer.packgraph_layers.scope == scope
     assert len(losses[True]) == len(rows) > 1
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), atol=1e-5, rtol=1e-5)
+
+
+class _HostRead(torch.nn.Module):
+    def forward(self, x):
+        x.sum().item()  # what a capture must refuse
+        return x
+
+
+def test_a_dense_model_gets_no_moe_hint():
+    """Every transformers 5 config says experts_implementation="eager"; only models with experts get the MoE note."""
+    model = tiny_model("llama").train()
+    for layer in model.model.layers:
+        layer.mlp.act_fn = _HostRead()
+    if not _replays_ops():
+        return  # the eager stand-in re-runs Python: it cannot see a host read
+    with pytest.raises(GraphCaptureError, match="reads device values on the host") as info:
+        with use_recorder(_stand_in()):
+            hf.graph_decoder_layers(model, _batches()[0], scope="mlp")
+    assert "MoE" not in str(info.value)

@@ -447,7 +447,7 @@ def _install(
     try:
         graphed = list(make_graphed(adapters, sample_args))
     except GraphCaptureError as exc:
-        experts = getattr(model.config, "_experts_implementation", None)
+        experts = _experts_implementation(model)
         if scope == "attn" or experts is None:
             raise
         raise GraphCaptureError(f"{exc}\n{_moe_capture_hint(experts)}", exc.syncs, exc.location) from exc
@@ -530,6 +530,18 @@ def _graphed_forward(adapter: _LayerCall, graphed: Callable[..., Tensor]) -> Cal
         return (out,) if adapter.returns_tuple else out
 
     return forward
+
+
+def _experts_implementation(model: nn.Module) -> str | None:
+    """The model's transformers ``experts_implementation`` when it has experts that follow one, else None.
+
+    Every transformers 5 config carries ``_experts_implementation`` (``"eager"`` on a dense model too); models whose
+    experts dispatch on it report ``_can_set_experts_implementation()``.
+    """
+    can_set = getattr(model, "_can_set_experts_implementation", None)
+    if not callable(can_set) or not can_set():
+        return None
+    return getattr(getattr(model, "config", None), "_experts_implementation", None)
 
 
 def _moe_capture_hint(experts: str) -> str:
