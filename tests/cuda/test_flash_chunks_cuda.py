@@ -2,7 +2,8 @@
 ``varlen_attention``'s backward runs once per chunk of slots.
 
 Against the one-call backward (the same op with the chunk size raised past the slot count): equal outputs and
-grads, a much lower backward peak, a CUDA-graph replay on new offsets equal to eager, and no host sync. Documents
+grads, a much lower backward peak, a CUDA-graph replay on new offsets equal to eager, and no host sync; with a
+sliding window, which reaches every chunk, the same equality. Documents
 here span at most two 128-row key blocks, so FA2's fp32 atomic dq sums have at most two terms and the one-call
 backward is deterministic: the comparison can be exact.
 """
@@ -47,8 +48,8 @@ def _inputs(hkv, seed):
     return q, k, v, torch.randn(T, HQ, D, device=DEVICE, generator=g).bfloat16()
 
 
-def _fwd_bwd(q, k, v, grad, params):
-    out = varlen_attention(q, k, v, params)
+def _fwd_bwd(q, k, v, grad, params, **options):
+    out = varlen_attention(q, k, v, params, **options)
     return (out, *torch.autograd.grad(out, (q, k, v), grad))
 
 
@@ -126,3 +127,34 @@ def test_chunked_backward_replays_in_a_graph_on_new_offsets():
     for name, a, b in zip(("out", "dq", "dk", "dv"), outs, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     del graph
+
+
+@pytest.mark.parametrize("hkv", [HQ, 2])
+@pytest.mark.parametrize("causal, window", [(True, (8, 0)), (False, (4, 16)), (False, (-1, 2))])
+def test_chunked_backward_with_a_window_equals_the_one_call_backward(monkeypatch, hkv, causal, window):
+    """The window reaches the forward and every chunk's backward: the chunked grads are the one-call ones (which
+    take the window through varlen_attn), bitwise without GQA, and both are the float64 reference's."""
+    api = attention_mod._torch_varlen_api()
+    if api is None or api.causal_kw != "window_size":
+        pytest.skip(f"torch {torch.__version__}: varlen_attn has no window_size")
+    params = _params(_lengths(545, 7, 1), 2048, 1)
+    q, k, v, grad = _inputs(hkv, 8)
+    options = dict(causal=causal, window=window)
+    chunked = _fwd_bwd(q, k, v, grad, params, **options)
+    with monkeypatch.context() as m:
+        _one_call(m)
+        one_call = _fwd_bwd(q, k, v, grad, params, **options)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), chunked, one_call, strict=True):
+        assert not a.isnan().any(), name
+        if hkv == HQ:
+            assert torch.equal(a, b), f"{name}: chunked and one-call backward differ"
+        else:
+            torch.testing.assert_close(a, b, msg=name)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _fwd_bwd(qd, kd, vd, grad.double(), params, **options)
+    no_window = _fwd_bwd(qd, kd, vd, grad.double(), params, causal=causal)
+    for name, a, r in zip(("out", "dq", "dk", "dv"), chunked, ref, strict=True):
+        err = ((a.double() - r).norm() / r.norm().clamp_min(1e-30)).item()
+        assert err < 2e-2, f"{name}: relative error {err:.3g} against the float64 reference"
+    err = ((ref[0] - no_window[0]).norm() / no_window[0].norm()).item()
+    assert err > 2e-2, "the window must change this attention, or the test shows nothing"

@@ -1,5 +1,7 @@
 """GPU checks of the THD ops: FA2 varlen path vs the float64 reference, raw CUDA-graph replay vs eager over many
 packings (forward, and backward inside the capture), and no host sync under ``set_sync_debug_mode("error")``.
+varlen_attention's options (issue #32): FA2 with sliding windows (one call and short_docs) against float64 and
+through a graph replay; softcap and sinks (the reference on CUDA) against float64 and through a graph replay.
 
 Every test here is marked ``cuda`` by tests/conftest.py and skipped without a GPU.
 """
@@ -352,3 +354,246 @@ def test_no_host_sync(monkeypatch, dtype, pad, short_docs):
         torch.cuda.set_sync_debug_mode(previous)
     torch.cuda.synchronize()
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+# ------------------------------------------------------------------------------------------------ options (issue #32)
+def needs_window_size():
+    """FA2 takes a window from torch 2.11 (varlen_attn's window_size); torch 2.10 refuses it (tested below)."""
+    api = attention_mod._torch_varlen_api()
+    if api is None or api.causal_kw != "window_size":
+        pytest.skip(f"torch {torch.__version__}: varlen_attn has no window_size")
+
+
+def spy_flash(monkeypatch):
+    """A list that each call of the FA2 path appends its window to (the tests check that they ran it, not the
+    reference)."""
+    calls = []
+    flash = attention_mod._flash_attention
+
+    def spied(*args, **kwargs):
+        calls.append(kwargs.get("window"))
+        return flash(*args, **kwargs)
+
+    monkeypatch.setattr(attention_mod, "_flash_attention", spied)
+    return calls
+
+
+def bf16_weight(*shape):
+    """A loss weight of bf16 values: the grad of a bf16 output is the weight rounded to bf16, so with these the
+    float64 reference sees the same upstream grad and the comparison measures the attention alone."""
+    return torch.randn(*shape, device=DEVICE).bfloat16().float()
+
+
+def fwd_bwd(q, k, v, params, weight, sinks=None, **options):
+    """Output and grads (q, k, v, and sinks when given) of ``(out.float() * weight).sum()``."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    sink_leaf = None if sinks is None else sinks.detach().clone().requires_grad_()
+    out = varlen_attention(*leaves, params, sinks=sink_leaf, **options)
+    wanted = leaves + ([] if sink_leaf is None else [sink_leaf])
+    return out.detach(), torch.autograd.grad((out.float() * weight.to(out.device)).sum(), wanted)
+
+
+def float64_reference(q, k, v, params, weight, sinks=None, **options):
+    """The same on the CPU in float64 (the reference, checked against a per-document loop in tests/ops)."""
+    cpu = [x.detach().double().cpu() for x in (q, k, v)]
+    return fwd_bwd(
+        *cpu, params.to("cpu"), weight.double().cpu(), None if sinks is None else sinks.double().cpu(), **options
+    )
+
+
+# (pad, causal, hkv, window, short_docs): causal windows, a diagonal-only one, non-causal and one-sided ones; with
+# short_docs a window of at most 128 keys (every document in local blocks) and a longer one (one FA2 call too)
+WINDOW_CASES = [
+    (1, True, HQ, (16, 0), False),
+    (1, True, HKV, (1, 0), False),
+    (8, True, HKV, (100, 0), False),
+    (1, False, HKV, (16, 8), False),
+    (8, False, 1, (-1, 32), False),
+    (4, False, HQ, (64, -1), False),
+    (1, True, HKV, (16, 0), True),
+    (1, True, HKV, (128, 0), True),
+    (1, True, 1, (150, 0), True),
+]
+
+
+@pytest.mark.parametrize("pad,causal,hkv,window,short_docs", WINDOW_CASES)
+def test_flash_window_matches_float64_reference(monkeypatch, pad, causal, hkv, window, short_docs, report):
+    needs_window_size()
+    lengths = [37, 1, 200, 0, 1, 64, 3, 1]
+    params = make_params(lengths, pad)
+    live = live_rows(lengths, pad)
+    q, k, v = randn(T, HQ, D), randn(T, hkv, D), randn(T, hkv, D)
+    assert_flash_path(q)
+    if short_docs:
+        use_short_docs(monkeypatch, q, k, params)
+    weight = bf16_weight(T, HQ, D)
+    flash_calls = spy_flash(monkeypatch)
+    out, grads = fwd_bwd(q, k, v, params, weight, causal=causal, window=window)
+    assert flash_calls == [(window[0], 0) if causal else window], flash_calls
+    ref_out, ref_grads = float64_reference(q, k, v, params, weight, causal=causal, window=window)
+    errors = {"out": rel_err(out, ref_out)}
+    errors.update({f"d{n}": rel_err(g, r) for n, g, r in zip("qkv", grads, ref_grads, strict=True)})
+    tag = f"pad{pad} {'causal' if causal else 'full'} hkv{hkv} window={window}{' short-docs' if short_docs else ''}"
+    report(f"FA2 window bf16 vs fp64 ref ({tag}): max rel err", max(errors.values()))
+    for name, err in errors.items():
+        assert err < 1e-2, f"{name}: relative error {err:.3g} ({tag})"
+    for name, t in zip(("out", "dq", "dk", "dv"), (out, *grads), strict=True):
+        assert not t.isnan().any(), name
+        assert_dead_rows_zero(t, live, name)
+    # and the window does something here: it differs from the attention without it
+    assert rel_err(out, float64_reference(q, k, v, params, weight, causal=causal)[0]) > 1e-2
+
+
+def test_window_needs_torch_2_11_on_the_flash_path():
+    api = attention_mod._torch_varlen_api()
+    if api is not None and api.causal_kw == "window_size":
+        pytest.skip(f"torch {torch.__version__} takes window_size")
+    params = make_params([37, 5], 1)
+    q = randn(T, HQ, D)
+    with pytest.raises(NotImplementedError, match=r"torch >= 2\.11"):
+        varlen_attention(q, q, q, params, window=(16, 0))
+
+
+@pytest.mark.parametrize("window,short_docs", [((16, 0), False), ((8, 8), False), ((32, 0), True), ((200, 0), True)])
+def test_graph_replay_with_window_matches_eager_and_float64(monkeypatch, window, short_docs, report):
+    """Forward and backward of a windowed FA2 call captured once, replayed on new packings: eager's values (up to
+    FA2's atomic dq sums) and the float64 reference's, dead rows zero, no host sync at replay."""
+    needs_window_size()
+    pad = 1
+    causal = window[1] == 0
+    cases = packings(16, seed=200 + window[0], pad=pad)
+    static = StaticParams(cases[0], pad)
+    q, k, v = (randn(T, h, D, requires_grad=True) for h in (HQ, HKV, HKV))
+    weight = bf16_weight(T, HQ, D)
+    assert_flash_path(q)
+    if short_docs:
+        use_short_docs(monkeypatch, q, k, static.params)
+    flash_calls = spy_flash(monkeypatch)
+
+    def step():
+        out = varlen_attention(q, k, v, static.params, causal=causal, window=window)
+        (out.float() * weight).sum().backward()
+        return out
+
+    def clear_grads():
+        for x in (q, k, v):
+            x.grad = None
+
+    warm_up(lambda: (clear_grads(), step()))
+    clear_grads()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    static_grads = (q.grad, k.grad, v.grad)
+    assert flash_calls and set(flash_calls) == {window}, flash_calls
+
+    worst_eager, worst_ref = 0.0, 0.0
+    for i, lengths in enumerate(cases):
+        params = make_params(lengths, pad)
+        static.load(params)
+        with torch.no_grad():
+            for buf in (q, k, v):
+                buf.copy_(torch.randn_like(buf, dtype=torch.float32))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        eager_out, eager_grads = fwd_bwd(q, k, v, params, weight, causal=causal, window=window)
+        live = live_rows(lengths, pad)
+        for name, got, want in zip(
+            ("out", "dq", "dk", "dv"), (static_out, *static_grads), (eager_out, *eager_grads), strict=True
+        ):
+            err = rel_err(got, want) if want.abs().max() > 0 else got.abs().max().item()
+            worst_eager = max(worst_eager, err)
+            assert err < 5e-3, f"packing {i} {lengths}: {name} replay vs eager rel err {err}"
+            assert_dead_rows_zero(got, live, f"packing {i} {name}")
+        if i % 4 == 0:
+            ref_out, ref_grads = float64_reference(q, k, v, params, weight, causal=causal, window=window)
+            for got, want in zip((static_out, *static_grads), (ref_out, *ref_grads), strict=True):
+                if want.abs().max() > 0:
+                    worst_ref = max(worst_ref, rel_err(got, want))
+    tag = f"window={window}{' short-docs' if short_docs else ''}"
+    report(f"ops graph fwd+bwd replay vs eager ({tag}): max rel err", worst_eager)
+    report(f"ops graph fwd+bwd replay vs fp64 ref ({tag}): max rel err", worst_ref)
+    assert worst_ref < 1e-2
+
+
+SOFTCAP_SINKS_CASES = [
+    (torch.bfloat16, dict(softcap=5.0)),
+    (torch.bfloat16, dict(sinks=True)),
+    (torch.bfloat16, dict(sinks=True, window=(16, 0))),
+    (torch.bfloat16, dict(softcap=2.0, sinks=True, window=(8, 8), causal=False)),
+    (torch.float32, dict(softcap=5.0, sinks=True, window=(32, 0))),
+]
+
+
+@pytest.mark.parametrize("pad", [1, 8])
+@pytest.mark.parametrize("dtype,options", SOFTCAP_SINKS_CASES)
+def test_softcap_and_sinks_match_float64(dtype, options, pad, report):
+    """softcap and sinks run the reference on CUDA (FA2 in torch has neither): against float64 on the CPU, grads of
+    the sinks included; dead rows zero."""
+    options = dict(options)
+    lengths = [37, 1, 200, 0, 1, 64, 3, 1]
+    params = make_params(lengths, pad)
+    live = live_rows(lengths, pad)
+    q, k, v = (randn(T, h, D, dtype=dtype) * 2 for h in (HQ, HKV, HKV))
+    sinks = torch.randn(HQ, device=DEVICE) if options.pop("sinks", False) else None
+    weight = bf16_weight(T, HQ, D)
+    out, grads = fwd_bwd(q, k, v, params, weight, sinks, **options)
+    ref_out, ref_grads = float64_reference(q, k, v, params, weight, sinks, **options)
+    names = ["out", "dq", "dk", "dv", "dsinks"]
+    errors = {name: rel_err(g, r) for name, g, r in zip(names, (out, *grads), (ref_out, *ref_grads), strict=False)}
+    tag = f"{str(dtype).removeprefix('torch.')} pad{pad} {options} sinks={sinks is not None}"
+    report(f"softcap/sinks on CUDA vs fp64 ({tag}): max rel err", max(errors.values()))
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    for name, err in errors.items():
+        assert err < tol, f"{name}: relative error {err:.3g} ({tag})"
+    for name, t in zip(names[:4], (out, *grads[:3]), strict=True):
+        assert_dead_rows_zero(t, live, name)
+
+
+def test_softcap_sinks_window_replay_in_a_graph_without_host_sync():
+    """The reference path with every option is graph-safe: captured forward and backward (sinks' grad included)
+    replay on new offsets with eager's values."""
+    pad = 1
+    cases = packings(6, seed=300, pad=pad)
+    static = StaticParams(cases[0], pad)
+    q, k, v = (randn(T, h, D, requires_grad=True) for h in (HQ, HKV, HKV))
+    sinks = torch.randn(HQ, device=DEVICE, requires_grad=True)
+    weight = bf16_weight(T, HQ, D)
+    options = dict(window=(16, 0), softcap=5.0)
+
+    def step():
+        out = varlen_attention(q, k, v, static.params, sinks=sinks, **options)
+        (out.float() * weight).sum().backward()
+        return out
+
+    def clear_grads():
+        for x in (q, k, v, sinks):
+            x.grad = None
+
+    warm_up(lambda: (clear_grads(), step()))
+    clear_grads()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    static_grads = (q.grad, k.grad, v.grad, sinks.grad)
+    for i, lengths in enumerate(cases):
+        params = make_params(lengths, pad)
+        static.load(params)
+        with torch.no_grad():
+            for buf in (q, k, v):
+                buf.copy_(torch.randn_like(buf, dtype=torch.float32))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        eager_out, eager_grads = fwd_bwd(q, k, v, params, weight, sinks, **options)
+        for name, got, want in zip(
+            ("out", "dq", "dk", "dv", "dsinks"), (static_out, *static_grads), (eager_out, *eager_grads), strict=True
+        ):
+            # the same kernels on the same values: equal up to the order of float sums
+            err = rel_err(got, want) if want.abs().max() > 0 else got.abs().max().item()
+            assert err < 1e-3, f"packing {i} {lengths}: {name} replay vs eager rel err {err}"

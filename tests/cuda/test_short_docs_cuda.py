@@ -4,7 +4,8 @@ buckets run it either way).
 
 Against the float64 reference and against one FA2 call on every slot (the path it replaces): the same outputs and
 grads, no NaN, dead rows zero; a lower backward peak; and a CUDA-graph replay on new offsets, with no host sync,
-bitwise equal to eager under deterministic kernels.
+bitwise equal to eager under deterministic kernels. The same with a causal sliding window, short (every document in
+local blocks) and long (the long documents in one FA2 call with the window).
 """
 
 import random
@@ -43,8 +44,8 @@ def _inputs(hkv, seed):
     return q, k, v, torch.randn(T, HQ, D, device=DEVICE, generator=g).bfloat16()
 
 
-def _fwd_bwd(q, k, v, grad, params):
-    out = varlen_attention(q, k, v, params)
+def _fwd_bwd(q, k, v, grad, params, **options):
+    out = varlen_attention(q, k, v, params, **options)
     return (out, *torch.autograd.grad(out, (q, k, v), grad))
 
 
@@ -155,3 +156,84 @@ def test_local_path_grads_are_exact_zeros_off_the_short_documents(hkv):
     for name, g in zip("qkv", got, strict=True):
         assert torch.equal(g[~short], torch.zeros_like(g[~short])), name
         assert g[short].abs().sum() > 0, name
+
+
+def _needs_window_size():
+    api = attention_mod._torch_varlen_api()
+    if api is None or api.causal_kw != "window_size":
+        pytest.skip(f"torch {torch.__version__}: varlen_attn has no window_size")
+
+
+@pytest.mark.parametrize("hkv", [HQ, 2])
+@pytest.mark.parametrize("left", [64, short_docs.BLOCK, 300])
+@pytest.mark.parametrize("kind", ["tour", "corpus"])
+def test_short_docs_with_a_window_match_float64_and_the_one_call_path(monkeypatch, kind, left, hkv, report):
+    """A causal window of ``left`` keys: up to BLOCK every document runs in local blocks (no FA2 call), past it
+    the long documents run one FA2 call with the window. Both against the float64 reference and one FA2 call."""
+    _needs_window_size()
+    params = _params(_lengths(kind, 10))
+    q, k, v, grad = _inputs(hkv, 11)
+    assert attention_mod._short_docs_apply(q, k, params, True)
+    window = (left, 0)
+    calls = []
+    flash = attention_mod._run_flash
+
+    def spied(*args, **kwargs):
+        calls.append(kwargs.get("window"))
+        return flash(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(attention_mod, "_run_flash", spied)
+        got = _fwd_bwd(q, k, v, grad, params, window=window)
+    assert calls == ([] if left <= short_docs.BLOCK else [window]), calls
+    with monkeypatch.context() as m:
+        _one_fa2_call(m)
+        one_call = _fwd_bwd(q, k, v, grad, params, window=window)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out = varlen_attention_reference(qd, kd, vd, params, window=window)
+    ref = (ref_out, *torch.autograd.grad(ref_out, (qd, kd, vd), grad.double()))
+    live = torch.zeros(T, dtype=torch.bool, device=DEVICE)
+    live[: params.cu_seqlens_q[-1]] = True
+    worst = 0.0
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), got, one_call, ref, strict=True):
+        assert not a.isnan().any(), name
+        assert torch.equal(a[~live], torch.zeros_like(a[~live])), f"{name}: dead rows must be exact zeros"
+        err, err_one = _rel(a, r), _rel(b, r)
+        worst = max(worst, err)
+        assert err < max(2 * err_one, 1e-2), f"{name}: {err:.3g} vs the one-call path's {err_one:.3g}"
+        assert _rel(a, b) < 2e-2, name
+    report(f"short-docs window {window} bf16 vs fp64 ref ({kind}, hkv {hkv}): max rel err", worst)
+
+
+@pytest.mark.parametrize("left", [64, 300])
+def test_windowed_short_docs_replay_in_a_graph_bitwise_equal_eager(left):
+    """Under deterministic kernels, a captured windowed call replays on new offsets bit for bit as eager."""
+    _needs_window_size()
+    first, second = (_params(_lengths(kind, s)) for kind, s in (("tour", 12), ("corpus", 13)))
+    q, k, v, grad = _inputs(2, 14)
+    window = (left, 0)
+    static = first
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _fwd_bwd(q, k, v, grad, static, window=window)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = _fwd_bwd(q, k, v, grad, static, window=window)
+        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+            getattr(static, name).copy_(getattr(second, name))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+            eager = _fwd_bwd(q, k, v, grad, second, window=window)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), outs, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    del graph
