@@ -150,6 +150,8 @@ class _FlashSlotChunks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float | None, window=None):
+        # As varlen_attn calls these ops: with a window, its right bound (0) is the causal mask, and is_causal is off.
+        causal = causal and window is None
         out, lse, rng, unused, _ = flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window)
         ctx.save_for_backward(q, k, v, out, lse, rng, unused, cu_q, cu_k)
         ctx.static = (max_q, max_k, causal, scale, window)
