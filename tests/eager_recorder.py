@@ -165,7 +165,8 @@ class _OpRecording(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tags = func.tags
-        if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
+        data_dependent = torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags
+        if data_dependent and not _integer_indexing(func, args):
             raise _capture_refusal(str(func))
         schema = func._schema
         if schema.is_mutable:
@@ -192,6 +193,15 @@ class _OpRecording(TorchDispatchMode):
         if func not in _NO_KERNEL:
             self.log.append((func, args, kwargs, refill))
         return out
+
+
+def _integer_indexing(func, args):
+    """``aten.index.Tensor`` is tagged dynamic-shape because a boolean index needs ``nonzero``; with integer indices
+    its output's shape is theirs and CUDA reads nothing on the host, so a graph captures it (MoE experts gather
+    tokens that way)."""
+    return func is torch.ops.aten.index.Tensor and all(
+        i is None or i.dtype not in (torch.bool, torch.uint8) for i in args[1]
+    )
 
 
 def _returned(schema, out):

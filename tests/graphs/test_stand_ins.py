@@ -124,3 +124,15 @@ def test_op_replay_draws_fresh_dropout_masks_and_its_backward_reads_them():
         x.grad = None
         outs.append(zeros.clone())
     assert not torch.equal(outs[0], outs[1])
+
+
+def test_op_replay_captures_integer_indexing_and_refuses_boolean_indexing():
+    lin = nn.Linear(4, 4).double()
+    idx = torch.tensor([2, 0, 1])
+    recorder = stand_ins.OpReplayRecorder()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    graph, (out,) = recorder.record(lambda: [lin(x)[idx]])
+    graph.replay()
+    torch.testing.assert_close(out, lin(x).detach()[idx], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing"):
+        recorder.record(lambda: [lin(x)[x[:, 0] > 0]])

@@ -4,8 +4,7 @@ For each family and scope (``"layer"``, ``"attn"``, ``"mlp"``) ``graph_decoder_l
 on a stand-in recorder; the reference is the same model, packed and eager (test_hf_families.py ties that to each
 document alone). Every test runs under both stand-ins (tests/conftest.py): the eager one re-runs the Python body at
 each replay, so only the op-replay one, which replays the recorded aten ops and refuses host reads as a CUDA capture
-does, tells which scopes capture. It is used here with integer indexing allowed, as CUDA graphs allow it
-(:class:`~tests.integrations.hf_family_cases.IntegerIndexOpReplayRecorder`).
+does, tells which scopes capture (integer indexing included, as CUDA graphs capture it).
 
 MoE: transformers 5 runs the experts through ``experts_implementation``: ``"grouped_mm"`` (its default),
 ``"batched_mm"`` or ``"eager"``. The routers (softmax and top-k) read nothing on the host, so the attention of every
@@ -26,14 +25,13 @@ from packgraph.graphs.safety import GraphCaptureError  # noqa: E402
 from packgraph.integrations import hf  # noqa: E402
 from packgraph.integrations.hf_families import FAMILIES, documents, packed_batch, tiny_model  # noqa: E402
 from tests.eager_recorder import EagerRecorder, OpReplayRecorder  # noqa: E402
-from tests.integrations.hf_family_cases import IntegerIndexOpReplayRecorder  # noqa: E402
 
 TOL = dict(atol=1e-6, rtol=1e-5)
 MOE = [n for n, f in FAMILIES.items() if f.moe]
 
 
 def _stand_in():
-    return IntegerIndexOpReplayRecorder() if EagerRecorder is OpReplayRecorder else EagerRecorder()
+    return EagerRecorder()
 
 
 def _replays_ops():
