@@ -443,7 +443,10 @@ def _install(
     adapters = [_LayerCall(target, scope) for target in targets]
     for adapter in adapters:  # capture under the mode the model is in now (the flag is part of the signature)
         adapter.training = adapter.target.training
-    sample_args = _sample_args(decoder, sample_batch, scope=scope, requires_grad=not forward_only)
+    # The first layer's input requires grad only when the embedding trains (a frozen one under LoRA does not).
+    embedding = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else decoder.embed_tokens
+    trains_embedding = any(p.requires_grad for p in embedding.parameters())
+    sample_args = _sample_args(decoder, sample_batch, scope=scope, requires_grad=not forward_only and trains_embedding)
     try:
         graphed = list(make_graphed(adapters, sample_args))
     except GraphCaptureError as exc:
@@ -590,8 +593,11 @@ def _sample_args(decoder: nn.Module, sample_batch: Any, *, scope: str, requires_
 
 
 def _decoder(model: nn.Module) -> nn.Module:
-    # base_model: the decoder under its own prefix (GPT-NeoX's model.gpt_neox).
-    for candidate in (getattr(model, "model", None), getattr(model, "base_model", None), model):
+    # get_decoder(): transformers' own accessor, which a PEFT model forwards to the model it wraps; base_model: the
+    # decoder under its own prefix (GPT-NeoX's model.gpt_neox).
+    get_decoder = getattr(model, "get_decoder", None)
+    first = get_decoder() if callable(get_decoder) else None
+    for candidate in (first, getattr(model, "model", None), getattr(model, "base_model", None), model):
         if candidate is not None and isinstance(getattr(candidate, "layers", None), nn.ModuleList):
             return candidate
     raise ValueError(f"{type(model).__name__}: no decoder with a .layers ModuleList (expected model.model.layers)")
