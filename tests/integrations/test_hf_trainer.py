@@ -261,14 +261,22 @@ def test_attention_scope_is_a_deprecated_alias_of_attn(tmp_path):
     assert all(t is layer.self_attn for t, layer in zip(trainer.packgraph_layers.targets, layers, strict=True))
 
 
-def test_gradient_checkpointing_eager_is_exact_and_refused_with_graphs(tmp_path):
+def test_gradient_checkpointing_eager_and_graphed_are_exact(tmp_path):
+    """gradient_checkpointing=True: packed eager recomputes through HF's wrapper, graphed layers inside their
+    backward graphs (capture_layers(recompute=True), HF's wrapper switched off while graphed); both train as
+    without checkpointing."""
     rows = pack_dataset(_examples(6, seed=5), T, buckets=POLICY)
     plain = _train(tmp_path / "plain", rows, 2)
     checkpointed = _train(tmp_path / "gc", rows, 2, gradient_checkpointing=True)
     torch.testing.assert_close(torch.tensor(checkpointed.micro_losses), torch.tensor(plain.micro_losses))
     _assert_same_params(checkpointed.model, plain.model, 1e-6)
-    with pytest.raises(ValueError, match="checkpointing recomputes layers"):
-        PackgraphTrainer(model=_model(), args=_args(tmp_path, 1, gradient_checkpointing=True), graphs=True)
+    with use_recorder(EagerRecorder()):
+        graphed = _train(tmp_path / "graphed-gc", rows, 2, graphs=True, gradient_checkpointing=True)
+    torch.testing.assert_close(torch.tensor(graphed.micro_losses), torch.tensor(plain.micro_losses))
+    _assert_same_params(graphed.model, plain.model, 1e-6)
+    layers = graphed.packgraph_layers
+    assert all(g.recompute for g in layers.graphed) and layers.checkpointed
+    assert not any(layer.gradient_checkpointing for layer in layers.checkpointed)
 
 
 # ---------------------------------------------------------------------------------------------------- errors

@@ -321,12 +321,15 @@ class GraphedDecoderLayers:
     adapters: list[_LayerCall]
     graphed: list[Callable[..., Tensor]]
     scope: str
+    checkpointed: list[nn.Module] = dataclasses.field(default_factory=list)  # their recompute runs in the graphs
 
     def remove(self) -> None:
         """Restore every target's original forward (the graphs and their memory are released with them)."""
         for target in self.targets:
             if "forward" in target.__dict__:
                 del target.forward
+        for layer in self.checkpointed:
+            layer.gradient_checkpointing = True
         self.graphed = []
 
     @contextlib.contextmanager
@@ -337,12 +340,16 @@ class GraphedDecoderLayers:
         shape), which would otherwise capture graphs of its own.
         """
         patched = [target.__dict__.pop("forward", None) for target in self.targets]
+        for layer in self.checkpointed:
+            layer.gradient_checkpointing = True
         try:
             yield self
         finally:
             for target, forward in zip(self.targets, patched, strict=True):
                 if forward is not None:
                     target.forward = forward
+            for layer in self.checkpointed:
+                layer.gradient_checkpointing = False
 
     def __enter__(self) -> GraphedDecoderLayers:
         return self
@@ -390,22 +397,29 @@ def graph_decoder_layers(
     (``output_router_logits``) are recorded by hooks on the routers, which a replay does not run: refused with
     those scopes.
 
+    Gradient checkpointing (``model.gradient_checkpointing_enable()``) recomputes inside the graphs: the layers are
+    captured with ``recompute=True`` (their forward graphs save only their inputs; each backward graph runs its
+    layer's forward again), and HF's own wrapper around each layer's call, which would replay the forward graph a
+    second time and save nothing, is switched off while they are graphed (``remove()`` and ``paused()`` restore it).
+    Dropout in such a layer is refused (its recomputation would draw other masks).
+
     CPU tests drive the real engine through its seam: ``with packgraph.graphs.use_recorder(stand_in): ...``.
 
     Raises:
-        RuntimeError: no CUDA (the engine's error; run :func:`packed_forward` eagerly on the CPU), or gradient
-            checkpointing is on. ValueError: wrong ``attn_implementation`` or ``scope``, or the model is not on the
-            device the graphs are captured on. GraphCaptureError: a target reads device values on the host (for MoE
-            experts, with what to do instead).
+        RuntimeError: no CUDA (the engine's error; run :func:`packed_forward` eagerly on the CPU). ValueError:
+            wrong ``attn_implementation`` or ``scope``, or the model is not on the device the graphs are captured
+            on. GraphCaptureError: a target reads device values on the host (for MoE experts, with what to do
+            instead), or draws random numbers under gradient checkpointing.
     """
     from packgraph.graphs import capture_layers
 
     scope = _resolve_scope(scope)
 
-    def make_graphed(adapters: list[_LayerCall], sample_args: tuple) -> list[Callable[..., Tensor]]:
+    def make_graphed(adapters: list[_LayerCall], sample_args: tuple, recompute: bool) -> list[Callable[..., Tensor]]:
         # Whole layers feed each other directly (chained: no copies between graphs); with a partial scope an eager
         # half sits between two graphs, so each graph copies its input.
         opts = dict(capture_opts, forward_only=forward_only, chain=scope == "layer")
+        opts.setdefault("recompute", recompute)
         if buckets is not None:
             opts["buckets"] = buckets
         return capture_layers(adapters, sample_args, **opts)
@@ -419,7 +433,7 @@ def _install(
     *,
     scope: str,
     forward_only: bool,
-    make_graphed: Callable[[list[_LayerCall], tuple], Sequence[Callable[..., Tensor]]],
+    make_graphed: Callable[[list[_LayerCall], tuple, bool], Sequence[Callable[..., Tensor]]],
 ) -> GraphedDecoderLayers:
     """Build adapters and sample inputs, let ``make_graphed`` capture them, and patch the targets' forwards."""
     scope = _resolve_scope(scope)
@@ -431,8 +445,9 @@ def _install(
         )
     decoder = _decoder(model)
     layers = list(decoder.layers)
-    if any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
-        raise RuntimeError("gradient checkpointing recomputes layers outside the graph: disable it to graph layers")
+    # Gradient checkpointing recomputes inside the graphs instead (capture_layers(recompute=True)): HF's own
+    # wrapper, around each layer's call, would replay the forward graph a second time and save nothing.
+    checkpointed = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False)]
     targets = [
         {"layer": layer, "attn": _child(layer, *_ATTENTION_NAMES), "mlp": _child(layer, "mlp")}[scope]
         for layer in layers
@@ -448,7 +463,7 @@ def _install(
     trains_embedding = any(p.requires_grad for p in embedding.parameters())
     sample_args = _sample_args(decoder, sample_batch, scope=scope, requires_grad=not forward_only and trains_embedding)
     try:
-        graphed = list(make_graphed(adapters, sample_args))
+        graphed = list(make_graphed(adapters, sample_args, bool(checkpointed) and not forward_only))
     except GraphCaptureError as exc:
         experts = _experts_implementation(model)
         if scope == "attn" or experts is None:
@@ -458,7 +473,11 @@ def _install(
         raise RuntimeError(f"capture returned {len(graphed)} callables for {len(targets)} layers")
     for target, adapter, fn in zip(targets, adapters, graphed, strict=True):
         target.forward = _graphed_forward(adapter, fn)
-    return GraphedDecoderLayers(targets=targets, adapters=adapters, graphed=graphed, scope=scope)
+    for layer in checkpointed:
+        layer.gradient_checkpointing = False
+    return GraphedDecoderLayers(
+        targets=targets, adapters=adapters, graphed=graphed, scope=scope, checkpointed=checkpointed
+    )
 
 
 def _resolve_scope(scope: str, *, stacklevel: int = 3) -> str:

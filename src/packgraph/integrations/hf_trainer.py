@@ -417,9 +417,6 @@ def _check_setup(trainer: Any) -> None:
         return
     why_not = "pass graphs=False to train packed and eager instead"
     refused = [
-        (getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False),
-         "gradient (activation) checkpointing recomputes layers outside "
-         "their graphs (graphs keep the activations in their own pool): set it to False"),
         (getattr(args, "torch_compile", False), "torch_compile=True would trace through the graph replays: set it "
          "to False (packgraph captures the layers itself)"),
         (getattr(trainer, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None), "DeepSpeed gathers "
