@@ -175,8 +175,9 @@ def test_graph_plumbing_matches_eager(scope):
     batch = hf.from_flattening_batch(_collate(_docs()), total_tokens=TOTAL_TOKENS)
     seen = []
 
-    def identity_capture(adapters, sample_args):
+    def identity_capture(adapters, sample_args, recompute):
         seen.append(sample_args)
+        assert not recompute  # gradient checkpointing is off
         return adapters
 
     handle = hf._install(model, batch, scope=scope, forward_only=False, make_graphed=identity_capture)
