@@ -404,3 +404,21 @@ def test_without_a_swap_a_holder_no_scan_finds_is_refused_not_overwritten(handou
         with pytest.raises(GraphOrderError, match="Python cannot reach"):
             graphed(_x(2), SIGS["A"])
     torch.testing.assert_close(kept, block(_x(1), SIGS["A"]).detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("handout_path", ["scan"], indirect=True)
+def test_without_a_swap_memory_a_holder_no_scan_finds_is_kept_when_the_graphs_go(handout_path, monkeypatch):
+    """When the engine lets go of a graph (its group collected), a holder it cannot move keeps the memory
+    allocated (handouts.KEPT_FOR_HOLDERS) rather than being left on memory the pool frees."""
+    block = _block()
+    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]), forward_only=True)
+    with torch.no_grad():
+        kept = graphed(_x(1), SIGS["A"]).detach()
+    static = graphed.cache.values()[0].static_outputs[0]
+    monkeypatch.setattr(gc, "get_objects", lambda: [])  # as for a holder only C++ code keeps
+    before = len(handouts.KEPT_FOR_HOLDERS)
+    del graphed
+    gc.collect()
+    assert len(handouts.KEPT_FOR_HOLDERS) == before + 1 and handouts.KEPT_FOR_HOLDERS[-1] is static
+    torch.testing.assert_close(kept, block(_x(1), SIGS["A"]).detach(), rtol=0, atol=0)
+    handouts.KEPT_FOR_HOLDERS.pop()

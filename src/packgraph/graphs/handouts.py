@@ -60,7 +60,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from packgraph.graphs.order import GraphOrderError, preserve_version
 
-__all__ = ["Handout", "HandoutBook", "unowned_storage", "COPIED_OUTPUT_BYTES", "SWAP_DATA_PTR"]
+__all__ = ["Handout", "HandoutBook", "unowned_storage", "COPIED_OUTPUT_BYTES", "KEPT_FOR_HOLDERS", "SWAP_DATA_PTR"]
 
 SWAP_DATA_PTR = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 """Whether this torch can move every holder of a storage at once (else holders are moved one by one, and the
@@ -68,6 +68,10 @@ grads of inputs, which autograd may keep out of Python's reach, are handed out a
 
 scans = 0
 """Scans of the garbage collector's objects made so far (see the module docstring)."""
+
+KEPT_FOR_HOLDERS: list[Any] = []
+"""Memory the engine let go of while a holder it could not move (see :meth:`Handout.settle_or_keep`) still held
+it: kept allocated for the process's lifetime rather than freed under that holder."""
 
 COPIED_OUTPUT_BYTES = 64 * 1024
 """Outputs this small (a loss, a batch's logprobs) that no other graph reads in place are handed out as copies,
@@ -182,6 +186,17 @@ class Handout:
                 "instead, or use a newer torch."
             )
 
+    def settle_or_keep(self) -> bool:
+        """:meth:`settle`, where the engine lets go of the memory (an eviction, the group going away): a holder it
+        cannot move keeps the static tensor, and with it the memory, in :data:`KEPT_FOR_HOLDERS`, instead of the
+        error. Returns whether it was kept."""
+        try:
+            self.settle()
+        except GraphOrderError:
+            KEPT_FOR_HOLDERS.append(self.static)
+            return True
+        return False
+
     def _move_onto(self, copy: torch.UntypedStorage, handle: Tensor, holders: Any) -> None:
         with torch.no_grad():
             for t in holders:
@@ -253,14 +268,14 @@ class HandoutBook:
         if self._by_owner and self._first_release < math.inf:
             self._settle_others(lambda r: r.pool is pool and r.released_at is not None)
 
-    def _settle_others(self, exposed: Any) -> None:
+    def _settle_others(self, exposed: Any, *, letting_go: bool = False) -> None:
         newest, first_release = 0, math.inf
         for other in list(self._by_owner):
             records = self._by_owner[other]
             for record in [r for r in records if exposed(r)]:
                 del records[record]
                 record.out = False
-                record.settle()
+                record.settle_or_keep() if letting_go else record.settle()
             if not records:
                 del self._by_owner[other]
                 continue
@@ -294,7 +309,7 @@ class HandoutBook:
         moved): a handle does not keep the memory allocated, and no replay writes it for its holders any more."""
         for record in self._by_owner.pop(owner, {}):
             record.out = False
-            record.settle()
+            record.settle_or_keep()
 
     def settle_all(self) -> None:
         """Move every holder of a handed-out storage to memory of its own: the group is going away, and with it the
@@ -302,4 +317,4 @@ class HandoutBook:
         # A finalizer: the garbage collector may run it inside any dispatch mode (torch.compile's FakeTensorMode,
         # while it traces), where the copies would be fake and the holders left on memory the pool gives back.
         with _disable_current_modes():
-            self._settle_others(lambda r: True)
+            self._settle_others(lambda r: True, letting_go=True)

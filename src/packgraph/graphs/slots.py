@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from packgraph.graphs.handouts import Handout
+from packgraph.graphs.handouts import KEPT_FOR_HOLDERS, Handout
 
 __all__ = ["ChainGradSlots", "release_spare_pools"]
 
@@ -209,12 +209,16 @@ class ChainGradSlots:
 
     def close(self) -> None:
         """The group is going away, and with it the blocks: move every tensor still handed out on them to memory of
-        its own, then free each block before its pool."""
+        its own, then free each block before its pool. A tensor that cannot be moved (without a storage swap)
+        keeps the blocks and their pools for the process's lifetime instead of reading freed memory."""
         # A finalizer: the garbage collector may run it inside a dispatch mode (torch.compile's FakeTensorMode),
         # where the copies would be fake.
         with _disable_current_modes():
-            for r in self._records.values():
-                r.settle()
+            kept = [r.settle_or_keep() for r in self._records.values()]
+        if any(kept):
+            KEPT_FOR_HOLDERS.extend(self._blocks.values())
+            self._blocks = {}
+            return
         for block in self._blocks.values():
             block.close()
         self._blocks = {}
