@@ -120,3 +120,63 @@ def test_graphed_scope_equals_packed_eager(name, experts, scope, report):
     assert captures[0] == captures[-1]
     assert captures[0] == [1] * len(captures[0]) or scope != "layer"
     handle.remove()
+
+
+# ---------------------------------------------------------------------------------------------------- Trainer
+TRAIN_STEPS, TRAIN_T = 30, 2048
+TRAIN_TOL = 1e-4  # relative, per step, as tests/cuda/test_hf_trainer_cuda.py: same kernels, deterministic
+
+
+@pytest.mark.parametrize(
+    "name,experts,scope",
+    [("gemma3", None, "layer"), ("qwen3_moe", "batched_mm", "layer"), ("qwen3_moe", "grouped_mm", "attn")],
+)
+def test_packgraph_trainer_30_steps_graphed_equals_packed_eager(name, experts, scope, tmp_path, report):
+    """``PackgraphTrainer`` (bf16=True) trains a Gemma 3 config (alternating windows of 64 tokens) and a Qwen3-MoE
+    config (whole layers with ``batched_mm`` experts; attention only with transformers' default ``grouped_mm``) on
+    the corpus under graphs, with per-step losses equal to packed eager's under deterministic kernels."""
+    from packgraph.buckets import default_buckets
+    from packgraph.data.corpus import PAD_ID, VOCAB_SIZE, load_corpus
+    from packgraph.data.stream import split_documents
+    from packgraph.integrations.hf_families import size_overrides
+    from packgraph.integrations.hf_trainer import PackgraphTrainer, pack_dataset
+    from packgraph.train import deterministic_kernels
+
+    policy = default_buckets(TRAIN_T)
+    docs = split_documents(load_corpus(max_docs=200), 512, min_len=8, seed=0)
+    rows = pack_dataset([{"input_ids": d.tolist()} for d in docs], TRAIN_T, buckets=policy)
+    assert len(rows) >= TRAIN_STEPS
+    config = dict(
+        size_overrides(name, hidden_size=256, num_layers=4, window=64, max_positions=TRAIN_T),
+        vocab_size=VOCAB_SIZE, pad_token_id=PAD_ID, initializer_range=0.02,
+    )  # fmt: skip
+    init = tiny_model(name, experts_implementation=experts, **config).state_dict()
+    losses = {}
+    with deterministic_kernels(True):
+        for graphs in (False, True):
+            args = transformers.TrainingArguments(
+                output_dir=str(tmp_path / str(graphs)), per_device_train_batch_size=1, max_steps=TRAIN_STEPS,
+                learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                max_grad_norm=1.0, bf16=True, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
+                seed=0, dataloader_num_workers=0,
+            )  # fmt: skip
+            model = tiny_model(name, state_dict=init, experts_implementation=experts, **config).cuda()
+            trainer = PackgraphTrainer(
+                model=model, args=args, train_dataset=rows, total_tokens=TRAIN_T, buckets=policy, graphs=graphs,
+                scope=scope,
+            )  # fmt: skip
+            trainer.train()
+            losses[graphs] = torch.tensor([log["loss"] for log in trainer.state.log_history if "loss" in log])
+            if graphs:
+                layers = trainer.packgraph_layers
+                assert layers is not None and layers.scope == scope
+                report(f"hf Trainer {name} experts={experts} scope={scope}: graphs per layer",
+                       layers.graphed[0].num_graphs)  # fmt: skip
+    eager, graphed = losses[False], losses[True]
+    assert len(eager) == len(graphed) == TRAIN_STEPS
+    rel = ((graphed - eager).abs() / eager.abs()).max().item()
+    report(f"hf Trainer {name} experts={experts} scope={scope}: {TRAIN_STEPS} steps, max rel loss diff, "
+           "bitwise-equal steps, first/last loss",
+           f"{rel:.2e}, {int((graphed == eager).sum())}/{TRAIN_STEPS}, {eager[0]:.3f}/{eager[-1]:.3f}")  # fmt: skip
+    assert rel <= TRAIN_TOL
+    assert eager[-1] < eager[0]  # it trains

@@ -77,6 +77,8 @@ def test_explanation_names_the_line_and_the_fix():
     msg = str(err)
     assert f"{__file__}:{_line_of(unsafe_rope_thd, 'UNSAFE-ROPE')}" in msg
     assert "could not capture rope" in msg and "apply_rope_thd" in msg
+    # The first line names what broke the capture, not the capture_end error raised after it.
+    assert msg.splitlines()[0] == f"could not capture rope into a CUDA graph: {CAPTURE_ERROR}"
     exc = _failed_capture(attention_with_dynamic_max, None, _CapturingOffsets())
     err = explain_capture_failure(exc, attention_with_dynamic_max, (), {}, rerun=False)
     assert err.location.lineno == _line_of(attention_with_dynamic_max, "UNSAFE-MAX")

@@ -166,6 +166,18 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def _root_capture_error(exc: BaseException) -> BaseException:
+    """The innermost capture failure in ``exc``'s chain: the op that broke the capture, not capture_end's
+    "operation failed due to a previous error during capture" raised while it propagated."""
+    found, seen, e = exc, set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RuntimeError) and any(m in str(e) for m in _CAPTURE_MARKERS):
+            found = e
+        e = e.__cause__ or e.__context__
+    return found
+
+
 def is_capture_error(exc: BaseException) -> bool:
     """Whether ``exc`` (or one it chains to) is a CUDA stream-capture failure."""
     e: BaseException | None = exc
@@ -233,7 +245,7 @@ def explain_capture_failure(
         except Exception:  # diagnostics must not hide the real error
             syncs = []
     culprit = location or (syncs[0] if syncs else None)
-    lines = [f"could not capture {name} into a CUDA graph: {_first_line(exc)}"]
+    lines = [f"could not capture {name} into a CUDA graph: {_first_line(_root_capture_error(exc))}"]
     if culprit is not None:
         lines.append(f"  the failing line: {culprit.location} in {culprit.function}: {culprit.code}")
     if syncs:
