@@ -411,10 +411,13 @@ def test_help_and_nproc_forwarding(capsys):
 
 
 def test_train_nproc_2_equals_one_process_with_2_micro_batches(tmp_path):
-    """`--nproc 2` (torchrun, gloo) = one process accumulating the same two micro-batches per step."""
+    """`--nproc 2` (torchrun, gloo) = one process accumulating the same two micro-batches per step, with torch DDP
+    and with the explicit all-reduce."""
     common = ["train", "--device", "cpu", "--steps", "3", "--T", "128", "--max-docs", "3", "--no-progress"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    for name, extra in (("dp", ["--nproc", "2"]), ("accum", ["--grad-accum", "2"])):
+    runs = (("dp", ["--nproc", "2"]), ("allreduce", ["--nproc", "2", "--dp-engine", "allreduce"]),
+            ("accum", ["--grad-accum", "2"]))  # fmt: skip
+    for name, extra in runs:
         proc = subprocess.run(
             [sys.executable, "-m", "packgraph", *common, "--out-dir", str(tmp_path / name), *extra],
             capture_output=True,
@@ -423,11 +426,10 @@ def test_train_nproc_2_equals_one_process_with_2_micro_batches(tmp_path):
             env=env,
         )
         assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[-2000:]
-    logs = {
-        n: [json.loads(x) for x in (tmp_path / n / "train.jsonl").read_text().splitlines()] for n in ("dp", "accum")
-    }
+    logs = {n: [json.loads(x) for x in (tmp_path / n / "train.jsonl").read_text().splitlines()] for n, _ in runs}
     assert [r["step"] for r in logs["dp"]] == [1, 2, 3]
-    for a, b in zip(logs["dp"], logs["accum"], strict=True):
-        assert a["tokens"] == b["tokens"] and a["buckets"] == b["buckets"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for dp in ("dp", "allreduce"):  # torch DDP (the default) and the explicit all-reduce
+        for a, b in zip(logs[dp], logs["accum"], strict=True):
+            assert a["tokens"] == b["tokens"] and a["buckets"] == b["buckets"]
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)

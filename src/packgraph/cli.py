@@ -200,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=None, help="peak learning rate (default per preset)")
     train.add_argument("--warmup", type=int, default=None, help="warm-up steps (default min(100, steps/10))")
     train.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step")
+    train.add_argument(
+        "--dp-engine",
+        choices=("ddp", "allreduce"),  # packgraph.train.config.DP_ENGINES (not imported: parsing needs no torch)
+        default="ddp",
+        help="with --nproc: torch DDP (default) or packgraph's explicit all-reduce after backward",
+    )
     train.add_argument("--chunk-len", type=_positive_int, default=None, help="longest document piece (default T)")
     train.add_argument(
         "--min-chunk-len", type=_positive_int, default=None, help="shortest document piece (default 64, or --chunk-len)"
@@ -310,6 +316,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     overrides: dict[str, Any] = dict(
         steps=args.steps,
         grad_accum=args.grad_accum,
+        dp_engine=args.dp_engine,
         warmup_steps=args.warmup if args.warmup is not None else min(100, args.steps // 10),
         chunk_len=args.chunk_len,
         min_chunk_len=_min_chunk_len(args),

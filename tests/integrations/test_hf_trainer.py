@@ -338,7 +338,6 @@ def test_unbucketed_metadata_is_refused_when_graphed(tmp_path):
         (dict(torch_compile=True), "torch_compile"),
         (dict(deepspeed="ds.json"), "DeepSpeed"),
         (dict(fsdp=["full_shard"]), "FSDP"),
-        (dict(world_size=2), "2 processes"),
         (dict(bf16_full_eval=True), "full_eval"),
         (dict(n_gpu=2), "DataParallel"),
     ],

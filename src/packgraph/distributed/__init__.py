@@ -1,7 +1,7 @@
 """Multi-process training on ``torch.distributed``: data parallelism and THD context parallelism.
 
-* :mod:`~packgraph.distributed.dp`: shard batches, normalise by the global token count, all-reduce gradients
-  after backward (works with graphed layers).
+* :mod:`~packgraph.distributed.dp`: shard batches, normalise by the global token count, reduce gradients with
+  torch's DDP (:func:`summing_ddp`) or an explicit all-reduce after backward; both work with graphed layers.
 * :mod:`~packgraph.distributed.cp`: load-balanced ``2 * CP`` sharding of packed sequences and all-gather K/V
   causal attention.
 * :mod:`~packgraph.distributed.launch`: ``torchrun`` launch and process-group initialisation.
@@ -15,7 +15,13 @@ from packgraph.distributed.cp import (
     cp_varlen_attention,
     shard_thd_for_cp,
 )
-from packgraph.distributed.dp import allreduce_gradients, broadcast_parameters, global_token_count, shard_batches
+from packgraph.distributed.dp import (
+    allreduce_gradients,
+    broadcast_parameters,
+    global_token_count,
+    shard_batches,
+    summing_ddp,
+)
 from packgraph.distributed.launch import (
     DistributedContext,
     ParallelGroups,
@@ -43,5 +49,6 @@ __all__ = [
     "shard_batches",
     "shard_thd_for_cp",
     "shutdown_distributed",
+    "summing_ddp",
     "torchrun_command",
 ]

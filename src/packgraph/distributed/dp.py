@@ -1,10 +1,10 @@
-"""Data parallelism that works with graphed layers: explicit gradient all-reduce after backward.
+"""Data parallelism over graphed layers: torch's ``DistributedDataParallel``, and an explicit all-reduce.
 
-Why not ``DistributedDataParallel``: DDP all-reduces from autograd hooks that fire as each gradient is
-produced. A captured backward graph writes its parameter gradients by replaying kernels, and depending on how
-the graph engine hands them back (accumulating into ``.grad`` itself, or at the end of the replay) the hooks may
-fire at a different time, once for a whole layer, or not at all. Reducing *after* ``backward()`` is correct
-whatever the engine does, and costs one collective per bucket (``bucket_cap_mb``), issued back to back.
+A graphed layer's backward returns its parameters' grads to autograd, whose ``AccumulateGrad`` nodes fire DDP's
+hooks as eagerly, so DDP buckets, overlaps and reduces them as it does eager grads (tests/distributed/
+test_ddp_graphs.py). :func:`summing_ddp` is DDP with a summing all-reduce, for losses normalised by the global
+token count. :func:`allreduce_gradients` reduces after ``backward()`` instead, in buckets issued back to back (the
+trainer's ``dp_engine="allreduce"``, kept to compare against DDP).
 
 The recipe (each rank, one optimizer step)::
 
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["allreduce_gradients", "broadcast_parameters", "global_token_count", "shard_batches"]
+__all__ = ["allreduce_gradients", "broadcast_parameters", "global_token_count", "shard_batches", "summing_ddp"]
 
 T = TypeVar("T")
 
@@ -141,6 +141,27 @@ def allreduce_gradients(
     for p, used in zip(unique, used_anywhere, strict=True):
         if not used:
             p.grad = None
+
+
+def summing_ddp(module: nn.Module, *, group: Any = None, **ddp_kwargs: Any) -> nn.Module:
+    """``DistributedDataParallel(module, process_group=group, **ddp_kwargs)`` whose gradient all-reduce sums.
+
+    DDP averages over the ranks; a loss already divided by the global target count (module docstring) needs the
+    sum, and a summing hook keeps it exact at any world size (scaling the loss by the world size would not be for
+    a world of 3). Everything else is DDP's: buckets, overlap with the backward, ``no_sync()``, ``static_graph``,
+    ``find_unused_parameters``.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(module, process_group=group, **ddp_kwargs)
+    ddp.register_comm_hook(group, _sum_hook)
+    return ddp
+
+
+# No annotations: DDP checks a hook's against dist.GradBucket, and this module's are strings (PEP 563).
+def _sum_hook(group, bucket):  # noqa: ANN001, ANN202
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def broadcast_parameters(module: nn.Module, *, src: int = 0, group: Any = None) -> None:

@@ -84,6 +84,26 @@ __all__ = ["capture", "capture_layers", "capture_with", "capture_layers_with", "
 
 
 # --------------------------------------------------------------------------------------------- public
+def _refuse_sharded(module: nn.Module, name: str) -> None:
+    """Raise ``NotImplementedError`` for a module FSDP2 shards (``fully_shard``): it all-gathers the parameters into
+    new storage around each forward and backward, and frees them after, outside anything a graph replays."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without these has no FSDP2
+        return
+    sharded = any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+    if sharded:
+        raise NotImplementedError(
+            f"{name}: its parameters are sharded by FSDP2 (fully_shard), which gathers them into new storage around "
+            "each forward and backward and frees them after, so a graph would read freed or stale weights; graphed "
+            "layers are not supported inside FSDP2: use torch DDP for data parallelism "
+            "(packgraph.distributed.summing_ddp), or leave these layers eager"
+        )
+
+
 class GraphedCallable:
     """A callable (module or function) replayed from CUDA graphs; build it with :func:`capture`.
 
@@ -111,6 +131,8 @@ class GraphedCallable:
         self.fn = fn
         owner = getattr(fn, "__self__", None)
         self.module = fn if isinstance(fn, nn.Module) else owner if isinstance(owner, nn.Module) else None
+        if self.module is not None:
+            _refuse_sharded(self.module, name or _name_of(fn))
         self.group = group
         self.name = name or _name_of(fn)
         policy = group.preparer.buckets

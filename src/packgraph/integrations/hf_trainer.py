@@ -28,9 +28,11 @@ Three pieces:
   accumulation is token-weighted), ``Trainer`` clips, steps, zeroes, logs and saves. Evaluation runs the layers
   eagerly (``prediction_step`` pauses the graphs), and ``save_model`` writes the unchanged ``state_dict``.
 
-Combinations that graphs cannot serve raise an error at construction, naming the setting: gradient checkpointing,
-``torch_compile=True``, DeepSpeed, FSDP, several processes or DataParallel, and ``bf16/fp16_full_eval``. A padded
-batch (an attention mask, batch size above 1, or no packing metadata) raises at its first step whatever the mode.
+Several processes (``accelerate launch``, ``torchrun``) run accelerate's torch DDP over the graphed layers: their
+grads reach DDP's hooks through autograd, as eager ones do. Combinations that graphs cannot serve raise an error at
+construction, naming the setting: ``torch_compile=True``, DeepSpeed, FSDP, DataParallel (several GPUs in one
+process), and ``bf16/fp16_full_eval``. A padded batch (an attention mask, batch size above 1, or no packing
+metadata) raises at its first step whatever the mode.
 """
 
 from __future__ import annotations
@@ -423,8 +425,6 @@ def _check_setup(trainer: Any) -> None:
          "and frees parameters around each layer, outside the graphs, which would read freed storage"),
         (getattr(trainer, "is_fsdp_enabled", False) or bool(getattr(args, "fsdp", None)), "FSDP gathers and frees "
          "parameters around each layer, outside the graphs, which would read freed storage"),
-        (getattr(args, "world_size", 1) > 1, f"{args.world_size} processes: PackgraphTrainer's graphs are not "
-         "verified under distributed data parallel yet"),
         (getattr(args, "bf16_full_eval", False) or getattr(args, "fp16_full_eval", False), "bf16/fp16_full_eval "
          "casts the model (new parameter storage) and the graphs would keep reading the old weights"),
     ]  # fmt: skip

@@ -18,6 +18,9 @@ from packgraph.packing import PACKING_ALGORITHMS
 __all__ = ["TrainConfig", "resolve_device", "default_out_dir"]
 
 
+DP_ENGINES = ("ddp", "allreduce")
+"""Who sums the gradients over the ranks of a ``torchrun`` job (:mod:`packgraph.train.parallel`)."""
+
 @dataclass
 class TrainConfig:
     """Everything a run depends on. ``validate()`` rejects bad values with a ``ValueError`` that says what to do.
@@ -33,6 +36,7 @@ class TrainConfig:
     steps: int = 100
     T: int = 2048
     grad_accum: int = 1
+    dp_engine: str = "ddp"
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -78,6 +82,7 @@ class TrainConfig:
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
         need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
         need(self.scope in SCOPES, f"scope must be one of {SCOPES}, got {self.scope!r}")
+        need(self.dp_engine in DP_ENGINES, f"dp_engine must be one of {DP_ENGINES}, got {self.dp_engine!r}")
         need(self.max_docs is None or self.max_docs >= 1, f"max_docs must be >= 1, got {self.max_docs}")
         need(self.chunk_len is None or self.chunk_len >= 2, f"chunk_len must be >= 2, got {self.chunk_len}")
         need(

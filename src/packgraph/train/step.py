@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,24 +53,29 @@ def accumulate_gradients(
     *,
     autocast: bool = True,
     total_targets: int | None = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> Tensor:
     """Forward and backward every micro-batch, accumulating into ``.grad``; return the step's loss (detached).
 
     Micro-batch ``i``'s mean loss is weighted by ``n_i / N`` (``n_i`` = its real target tokens, a host int; ``N``
     = ``total_targets``, default ``sum(n_i)``), so the accumulated gradient and the returned loss are those of the
     mean CE over all the step's targets: one big batch. Under data parallelism ``N`` is the count over every
-    rank's micro-batches and the ranks' results sum to the global mean. ``model`` is a :class:`GPT` or a graphed
-    wrapper; each micro-batch finishes its backward before the next forward (graph buffers are reused).
+    rank's micro-batches and the ranks' results sum to the global mean. ``model`` is a :class:`GPT`, a graphed
+    wrapper, or DDP around either, with ``no_sync`` its ``no_sync`` (every micro-batch but the last runs under it,
+    so DDP reduces once a step); each micro-batch finishes its backward before the next forward (graph buffers
+    are reused).
     """
     targets = [b.num_real_tokens for b in micro_batches]
     total = max(sum(targets) if total_targets is None else total_targets, 1)
     step_loss = torch.zeros((), device=device)
-    for batch, n in zip(micro_batches, targets, strict=True):
+    last = len(micro_batches) - 1
+    for i, (batch, n) in enumerate(zip(micro_batches, targets, strict=True)):
         batch = batch.to(device)
-        with _autocast(device, autocast):
-            _, loss = model(batch)
-        weight = n / total
-        (loss * weight).backward()
+        with no_sync() if no_sync is not None and i < last else contextlib.nullcontext():
+            with _autocast(device, autocast):
+                _, loss = model(batch)
+            weight = n / total
+            (loss * weight).backward()
         step_loss = step_loss + loss.detach().float() * weight
     return step_loss
 

@@ -167,7 +167,7 @@ class Trainer:
         self.out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir("train")
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise ValueError(f"out dir {self.out_dir} exists and is not a directory")
-        self.dp = DataParallelGroup.from_env(device)
+        self.dp = DataParallelGroup.from_env(device, cfg.dp_engine)
         self.device = self.dp.device if self.dp is not None else device
         self.rank, self.world = (self.dp.rank, self.dp.world) if self.dp is not None else (0, 1)
         self._say = (echo if self.rank == 0 else None) or (lambda _msg: None)
@@ -195,6 +195,8 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self._open_log(resumed=ckpt is not None)
         self.runner = self.model.graphed(scope=cfg.scope) if self.graphs else self.model
+        # What a step calls: the runner, inside DDP under data parallelism (packgraph.train.parallel).
+        self.step_module = self.dp.wrap(self.runner) if self.dp is not None else self.runner
         self.mode = "graphed, scope " + cfg.scope if self.graphs else "eager"
         self._announce()
         self.rows: list[dict[str, Any]] = []
@@ -318,8 +320,9 @@ class Trainer:
         """Forward and backward this rank's micro-batches, gradients summed over the ranks; the step's loss, on the
         device. ``targets``: the real target tokens of the step's micro-batches on every rank."""
         cfg = self.cfg
+        no_sync = self.dp.no_sync if self.dp is not None else None
         loss = accumulate_gradients(
-            self.runner, micro_batches, self.device, autocast=cfg.autocast, total_targets=targets
+            self.step_module, micro_batches, self.device, autocast=cfg.autocast, total_targets=targets, no_sync=no_sync
         )
         if self.dp is not None:
             loss = self.dp.reduce(self.model, loss)
@@ -456,6 +459,7 @@ class Trainer:
             self._bar.close()
             self._bar = None
         if self.dp is not None:
+            self.step_module = getattr(self, "runner", None)  # DDP's last reference here (dp.close drops it first)
             self.dp.close()
             self.dp = None
 
