@@ -75,7 +75,7 @@ def _worker(rank: int, world: int, init: str, case: dict) -> None:
         model = _model()
         recorder = RECORDERS[case["recorder"]]() if case["scope"] else None
         with use_recorder(recorder) if recorder is not None else _nothing():
-            module = model.graphed(scope=case["scope"]) if case["scope"] else model
+            module = model.graphed(scope=case["scope"], **case.get("graph", {})) if case["scope"] else model
             ddp = DDP(module, **case.get("ddp", {}))
             opt = torch.optim.SGD(model.parameters(), lr=LR)
             for s in range(STEPS):
@@ -148,3 +148,9 @@ def test_no_sync_accumulation_equals_one_process(scope, recorder):
 @pytest.mark.parametrize("scope", ["layer", "attn"])
 def test_ddp_options_work_as_eagerly(scope, options, micro):
     _run(2, scope=scope, recorder="op-replay", ddp=options, micro=micro)
+
+
+@pytest.mark.parametrize("scope", ["layer", "attn"])
+def test_ddp_with_recomputation_inside_the_graphs(scope):
+    """Each graphed layer recomputes its forward inside its backward graph (``recompute=True``), under DDP."""
+    _run(2, scope=scope, recorder="op-replay", graph=dict(recompute=True), micro=2)

@@ -36,11 +36,14 @@ def _rows():
     return pack_dataset(examples, TOTAL, buckets=POLICY)
 
 
-def _train(out: Path, *, graphs: bool, accumulate: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train(
+    out: Path, *, graphs: bool, accumulate: int, checkpointing: bool = False
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     args = transformers.TrainingArguments(
         output_dir=str(out), use_cpu=True, per_device_train_batch_size=1, gradient_accumulation_steps=accumulate,
         max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch", save_strategy="no",
         report_to=[], disable_tqdm=True, seed=0, dataloader_num_workers=0, logging_steps=1,
+        **({"gradient_checkpointing": True} if checkpointing else {}),  # the name transformers 5.17 knows
     )  # fmt: skip
     trainer = PackgraphTrainer(
         model=tiny_model("llama").train(), args=args, train_dataset=_rows(), total_tokens=TOTAL, buckets=POLICY,
@@ -55,11 +58,11 @@ def _train(out: Path, *, graphs: bool, accumulate: int) -> tuple[list[float], di
     return losses, params
 
 
-def _rank(rank: int, world: int, port: int, out: str, graphs: bool) -> None:
+def _rank(rank: int, world: int, port: int, out: str, graphs: bool, checkpointing: bool) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    losses, params = _train(Path(out) / f"rank{rank}", graphs=graphs, accumulate=1)
+    losses, params = _train(Path(out) / f"rank{rank}", graphs=graphs, accumulate=1, checkpointing=checkpointing)
     torch.save({"losses": losses, "params": params}, Path(out) / f"rank{rank}.pt")
     import torch.distributed as dist
 
@@ -73,11 +76,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_two_processes_equal_one_accumulating_two_batches(tmp_path, graphs):
+@pytest.mark.parametrize("graphs,checkpointing", [(False, False), (True, False), (True, True)])
+def test_two_processes_equal_one_accumulating_two_batches(tmp_path, graphs, checkpointing):
+    """With ``gradient_checkpointing=True`` each graphed layer recomputes inside its backward graph."""
     assert len(_rows()) >= 2 * STEPS  # no epoch ends within the run: the samplers of both runs stay in step
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_rank, args=(2, _free_port(), str(tmp_path), graphs), nprocs=2, start_method=method)
+    mp.start_processes(
+        _rank, args=(2, _free_port(), str(tmp_path), graphs, checkpointing), nprocs=2, start_method=method
+    )
     want_losses, want_params = _train(tmp_path / "one", graphs=False, accumulate=2)
     assert len(want_losses) == STEPS
     for rank in range(2):
