@@ -1,0 +1,120 @@
+"""torch DDP over real CUDA graphs on one GPU: NCCL with world size 1, and gloo with 2 processes sharing the GPU
+(NCCL refuses two ranks on one device).
+
+The CPU tests (tests/distributed/test_ddp_graphs.py) run the same comparison on the stand-in recorders; here the
+graphs are CUDA's. Each rank trains a float32 GPT, graphed (scope ``layer``, ``attn``, ``model``, and ``layer``
+with recomputation) or eager, inside ``summing_ddp`` with two micro-batches per step (``no_sync`` on the first),
+under deterministic kernels; after every step its parameters are compared with one process trained eagerly on the
+union of the ranks' batches, and graphed ranks with eager ranks of the same world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+CFG = dict(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=64)
+STEPS, MICRO, LR = 3, 2, 0.05
+RUNS = [("eager", None, {}), ("layer", "layer", {}), ("attn", "attn", {}), ("model", "model", {}),
+        ("layer+recompute", "layer", {"recompute": True})]  # fmt: skip
+TOL = dict(rtol=1e-4, atol=1e-6)  # float32: the ranks' sum and the union's backward round differently
+
+
+def _batches(n: int):
+    from packgraph.packing import PackedBatch
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [[90, 40, 20], [250], [30, 30], [120, 70, 10, 50], [60, 180], [20, 20, 20, 20], [170, 80], [200, 30]]
+    out = []
+    for lengths in (shapes * 4)[:n]:
+        docs = [torch.randint(0, CFG["vocab_size"], (k,), generator=gen) for k in lengths]
+        out.append(PackedBatch.from_documents(docs, bin_size=256, capacity=8, max_seqlen=256, pad_id=0))
+    return out
+
+
+def _model():
+    from packgraph.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(1)
+    return GPT(GPTConfig(**CFG)).cuda()
+
+
+def _reference(batches, world):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out, per_step = [], world * MICRO
+    for s in range(STEPS):
+        union = [b.to("cuda") for b in batches[s * per_step : (s + 1) * per_step]]
+        logits = torch.cat([model(b.tokens, b.packed_seq_params) for b in union])
+        labels = torch.cat([b.labels for b in union])
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(logits.float(), labels, ignore_index=-100).backward()
+        opt.step()
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def _worker(rank: int, world: int, backend: str, init: str, out: str) -> None:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    from packgraph.distributed import global_token_count, shard_batches, summing_ddp
+    from packgraph.train import deterministic_kernels
+
+    torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
+    worst: dict[str, float] = {}
+    try:
+        with deterministic_kernels(True):
+            batches = _batches(STEPS * world * MICRO)
+            want = _reference(batches, world)
+            for label, scope, opts in RUNS:
+                model = _model()
+                runner = model.graphed(scope=scope, **opts) if scope else model
+                ddp = summing_ddp(runner, device_ids=[0])
+                opt = torch.optim.SGD(model.parameters(), lr=LR)
+                worst[label] = 0.0
+                for s in range(STEPS):
+                    step = batches[s * world * MICRO : (s + 1) * world * MICRO]
+                    mine = [b.to("cuda") for b in shard_batches(step, rank, world)]
+                    count = global_token_count(sum(b.num_real_tokens for b in mine), device="cuda")
+                    opt.zero_grad(set_to_none=True)
+                    for i, b in enumerate(mine):
+                        with ddp.no_sync() if i < len(mine) - 1 else _nothing():
+                            _, loss = ddp(b)
+                            (loss * (b.num_real_tokens / count)).backward()
+                    opt.step()
+                    for n, p in model.named_parameters():
+                        err = ((p.detach() - want[s][n]).abs().max() / want[s][n].abs().max()).item()
+                        worst[label] = max(worst[label], err)
+                        where = f"{label} step {s} {n}"
+                        torch.testing.assert_close(p.detach(), want[s][n], **TOL, msg=lambda m, w=where: f"{w}: {m}")
+                del ddp, runner
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(worst))
+        dist.destroy_process_group()
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("backend,world", [("nccl", 1), ("gloo", 2)])
+def test_ddp_over_graphed_layers_equals_one_process_on_the_union(backend, world, report):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _worker, args=(world, backend, os.path.join(tmp, "init"), tmp), nprocs=world, start_method="spawn"
+        )
+        worst = json.loads(Path(tmp, "rank0.json").read_text())
+    for label, err in worst.items():
+        report(f"DDP {backend} world {world}, {label}: worst rel param diff vs one process", f"{err:.2e}")
