@@ -18,7 +18,14 @@ the model and what runs it:
 ``compile-ro-raw``           the same, fed the raw exact batches: every new (capacity, max_seqlen) may re-record
 ``padded``                   no packing: documents right-padded to the batch max, ``[B, L]``, SDPA causal
 ``padded-mask``              the same with an explicit causal & key-padding boolean mask (SDPA's masked kernel)
+``eager-ddp``                ``eager`` inside torch DDP (``summing_ddp``) on a process group of this one process
+``packgraph-ddp``            ``packgraph`` inside torch DDP (the same group)
+``packgraph-allreduce``      ``packgraph``, then packgraph's explicit all-reduce of the grads after backward
 ===========================  ===============================================================================
+
+The three data-parallel methods run with world size 1 (the bench is one process): they measure what each engine
+adds to a step (DDP's bucket copies and hooks, one all-reduce per bucket; the explicit path's flatten, all-reduce
+and copy back), not scaling. They join a process group of one if none exists.
 
 Why ``padded`` needs no mask: :mod:`packgraph.bench.padded`.
 """
@@ -44,6 +51,7 @@ from packgraph.packing import PackedBatch
 __all__ = [
     "ALL_METHODS",
     "CUDA_ONLY_METHODS",
+    "DP_METHODS",
     "METHODS",
     "Method",
     "cudagraph_records",
@@ -64,9 +72,19 @@ METHODS: tuple[str, ...] = (
 """The default method list of a full run, in run order: the fast ones first, so a run cut short by a time limit
 still has the comparisons that matter most."""
 
-ALL_METHODS: tuple[str, ...] = (*METHODS, "padded-mask")
+DP_METHODS: tuple[str, ...] = ("eager-ddp", "packgraph-ddp", "packgraph-allreduce")
+ALL_METHODS: tuple[str, ...] = (*METHODS, "padded-mask", *DP_METHODS)
 CUDA_ONLY_METHODS: frozenset[str] = frozenset(
-    {"packgraph", "packgraph-model", "packgraph+compile", "packgraph-model+compile", "compile-ro", "compile-ro-raw"}
+    {
+        "packgraph",
+        "packgraph-model",
+        "packgraph+compile",
+        "packgraph-model+compile",
+        "compile-ro",
+        "compile-ro-raw",
+        "packgraph-ddp",
+        "packgraph-allreduce",
+    }
 )
 
 
@@ -281,6 +299,87 @@ class PaddedMaskMethod(PaddedMethod):
     padding_mask = True
 
 
+def _one_process_group(device: torch.device) -> list[int] | None:
+    """Join a process group of this process alone (NCCL on CUDA, gloo otherwise) unless one exists; DDP's
+    ``device_ids`` for ``device``."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = tempfile.NamedTemporaryFile(prefix="packgraph-bench-pg-", delete=False).name
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    if device.type != "cuda":
+        return None
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+class EagerDDPMethod(Method):
+    name = "eager-ddp"
+
+    def __init__(self, model: GPT, policy: BucketPolicy, device: torch.device) -> None:
+        from packgraph.distributed import summing_ddp
+
+        super().__init__(model, policy, device)
+        _one_process_group(device)
+        ids = (
+            [device.index if device.index is not None else torch.cuda.current_device()]
+            if device.type == "cuda"
+            else None
+        )
+        self.ddp = summing_ddp(model, device_ids=ids)
+
+    def loss(self, inp: Any) -> Tensor:
+        return self.ddp(inp.tokens, inp.packed_seq_params, inp.labels, inp.loss_mask)[1]
+
+    def close(self) -> None:
+        self.ddp = None
+
+
+class GraphedDDPMethod(GraphedMethod):
+    name = "packgraph-ddp"
+
+    def __init__(self, model: GPT, policy: BucketPolicy, device: torch.device) -> None:
+        from packgraph.distributed import summing_ddp
+
+        super().__init__(model, policy, device)
+        _one_process_group(device)
+        ids = (
+            [device.index if device.index is not None else torch.cuda.current_device()]
+            if device.type == "cuda"
+            else None
+        )
+        self.ddp = summing_ddp(self.graphed, device_ids=ids)
+
+    def loss(self, inp: PackedBatch) -> Tensor:
+        return self.ddp(inp)[1]
+
+    def close(self) -> None:
+        self.ddp = None
+        super().close()
+
+
+class GraphedAllreduceMethod(GraphedMethod):
+    name = "packgraph-allreduce"
+
+    def __init__(self, model: GPT, policy: BucketPolicy, device: torch.device) -> None:
+        super().__init__(model, policy, device)
+        _one_process_group(device)
+
+    def step(self, inp: Any) -> None:
+        from packgraph.distributed import allreduce_gradients
+
+        with self.autocast():
+            loss = self.loss(inp)
+        loss.backward()
+        # As under torchrun: every rank has every grad. single_rank_too: the collective runs at world size 1.
+        allreduce_gradients(self.model.parameters(), every_rank_has_grads=True, single_rank_too=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.last_loss = loss.detach()
+
+
 _REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
     for cls in (
@@ -294,6 +393,9 @@ _REGISTRY: dict[str, type[Method]] = {
         CompileRORawMethod,
         PaddedMethod,
         PaddedMaskMethod,
+        EagerDDPMethod,
+        GraphedDDPMethod,
+        GraphedAllreduceMethod,
     )
 }
 

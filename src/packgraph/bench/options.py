@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     preset.add_argument(
         "--standard", action="store_true", help="the committed H200 run: chosen cells of the full matrix (< 10 min)"
     )
+    preset.add_argument(
+        "--ddp", action="store_true", help="torch DDP against the explicit all-reduce, world size 1: small and medium"
+    )
     preset.add_argument("--dry-run", action="store_true", help="a tiny CPU matrix (perf_counter timing)")
     p.add_argument("--out", type=Path, help="results directory (default bench/results/<date>-<gpu>/)")
     p.add_argument("--models", type=_csv(str), help="GPT presets, e.g. small,medium")
@@ -93,7 +96,9 @@ _OVERRIDES = ("models", "T", "mixes", "methods", "steps", "warmup", "graph_batch
 
 
 def _preset_name(args: argparse.Namespace) -> str:
-    return "dry-run" if args.dry_run else "full" if args.full else "standard" if args.standard else "quick"
+    if args.dry_run:
+        return "dry-run"
+    return "full" if args.full else "standard" if args.standard else "ddp" if args.ddp else "quick"
 
 
 def _narrowed(cells: list[list], args: argparse.Namespace) -> list[list]:

@@ -94,6 +94,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         # and the run still writes its table and plots
         time_limit_s=550.0,
     ),
+    # torch DDP against the explicit all-reduce, world size 1, side by side (docs/distributed.md)
+    "ddp": dict(
+        methods=["eager", "eager-ddp", "packgraph", "packgraph-ddp", "packgraph-allreduce"],
+        cells=[
+            ["small", 2048, "corpus", ["eager", "eager-ddp", "packgraph", "packgraph-ddp", "packgraph-allreduce"]],
+            ["medium", 8192, "corpus", ["eager", "eager-ddp", "packgraph", "packgraph-ddp", "packgraph-allreduce"]],
+        ],
+        steps=20,
+        warmup=3,
+        graph_batches=0,
+        graph_budget_s=0.0,
+        attention=dict(T=[8192], mixes=["corpus"], head_dims=[64], heads=16, packings=1, reps=1),
+        max_corpus_docs=None,
+        time_limit_s=550.0,
+    ),
     "dry-run": dict(
         models=["tiny"],
         T=[128],

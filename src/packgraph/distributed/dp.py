@@ -93,6 +93,7 @@ def allreduce_gradients(
     average: bool = False,
     bucket_cap_mb: float = 25.0,
     every_rank_has_grads: bool = False,
+    single_rank_too: bool = False,
 ) -> None:
     """Sum (or average) every parameter's ``.grad`` across ``group``, in place, after ``backward()``.
 
@@ -110,11 +111,13 @@ def allreduce_gradients(
             by the global token count (module docstring).
         every_rank_has_grads: the caller knows every rank produced a grad for every parameter that requires one
             (each rank runs the whole model): the flag all-reduce and its device-to-host read are skipped.
+        single_rank_too: run the collectives in a group of one too (a summing reduction there is the identity,
+            and is skipped by default): what a benchmark of the reduction's cost at world size 1 measures.
     """
     params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
     unique = list({id(p): p for p in params if p.requires_grad}.values())
     world = _world(group)
-    if world == 1 and not average:
+    if world == 1 and not average and not single_rank_too:
         return
     if not unique:
         return
@@ -132,7 +135,7 @@ def allreduce_gradients(
     cap = max(int(bucket_cap_mb * 2**20), 1)
     for bucket in _buckets([p.grad for p in unique], cap):
         flat = _flatten_dense_tensors(bucket)
-        if world > 1:
+        if world > 1 or single_rank_too:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         if average:
             flat.div_(world)

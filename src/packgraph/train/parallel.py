@@ -56,8 +56,7 @@ class DataParallelGroup:
         from packgraph.distributed import summing_ddp
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # No buffer broadcast: the GPT's only state is its parameters, which DDP syncs from rank 0 at wrap time.
-        self._ddp = summing_ddp(runner, device_ids=device_ids, broadcast_buffers=False)
+        self._ddp = summing_ddp(runner, device_ids=device_ids)  # syncs the parameters from rank 0 here
         return self._ddp
 
     @property
