@@ -10,6 +10,7 @@ run: the op-replay one replays the recorded aten ops and no Python, as a CUDA gr
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
@@ -74,7 +75,7 @@ def _worker(rank: int, world: int, init: str, case: dict) -> None:
         want = _reference(batches, world, micro)
         model = _model()
         recorder = RECORDERS[case["recorder"]]() if case["scope"] else None
-        with use_recorder(recorder) if recorder is not None else _nothing():
+        with use_recorder(recorder) if recorder is not None else contextlib.nullcontext():
             module = model.graphed(scope=case["scope"], **case.get("graph", {})) if case["scope"] else model
             ddp = DDP(module, **case.get("ddp", {}))
             opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -85,7 +86,7 @@ def _worker(rank: int, world: int, init: str, case: dict) -> None:
                 opt.zero_grad(set_to_none=True)
                 for i, b in enumerate(mine):
                     last = i == micro - 1
-                    with ddp.no_sync() if not last else _nothing():
+                    with ddp.no_sync() if not last else contextlib.nullcontext():
                         _, loss = ddp(b)
                         # DDP averages over ranks: scale the rank's share of the global mean back up.
                         (loss * (b.num_real_tokens * world / count)).backward()
@@ -100,14 +101,6 @@ def _worker(rank: int, world: int, init: str, case: dict) -> None:
         gc.collect()
     finally:
         dist.destroy_process_group()
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _run(world: int, **case) -> None:

@@ -9,6 +9,7 @@ batch ``r`` of every pair of the (seeded, shared) sampler's order, which is the 
 Both runs, graphed and packed eager, must give the same per-step losses and final parameters.
 """
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -49,7 +50,7 @@ def _train(
         model=tiny_model("llama").train(), args=args, train_dataset=_rows(), total_tokens=TOTAL, buckets=POLICY,
         graphs=graphs, capture_options={"num_warmup_iters": 1},
     )  # fmt: skip
-    with use_recorder(OpReplayRecorder()) if graphs else _nothing():
+    with use_recorder(OpReplayRecorder()) if graphs else contextlib.nullcontext():
         trainer.train()
     if graphs:
         assert trainer.packgraph_layers is not None and trainer.packgraph_layers.graphed
@@ -91,11 +92,3 @@ def test_two_processes_equal_one_accumulating_two_batches(tmp_path, graphs, chec
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
         for name, p in want_params.items():
             torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=1e-6, msg=name)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

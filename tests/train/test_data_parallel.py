@@ -6,6 +6,7 @@ Python), with torch DDP (the default engine) and the explicit all-reduce, each e
 the same micro-batches per step (``grad_accum=2``): same losses and gradient norms at every step.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -52,7 +53,7 @@ def test_two_ranks_equal_one_process_accumulating_their_micro_batches(tmp_path, 
     case = dict(graphs=graphs, scope=scope, dp_engine=engine)
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     mp.start_processes(_rank, args=(2, _free_port(), str(tmp_path), case), nprocs=2, start_method=method)
-    with use_recorder(OpReplayRecorder()) if graphs else _nothing():
+    with use_recorder(OpReplayRecorder()) if graphs else contextlib.nullcontext():
         one = train(tiny_cfg(tmp_path, "one", steps=STEPS, save_checkpoint=False, grad_accum=2, graphs=graphs,
                              scope=scope), echo=None)  # fmt: skip
     dp, ref = _log(tmp_path / "dp"), _log(one.log_path.parent)
@@ -61,11 +62,3 @@ def test_two_ranks_equal_one_process_accumulating_their_micro_batches(tmp_path, 
         assert a["tokens"] == b["tokens"] and a["buckets"] == b["buckets"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

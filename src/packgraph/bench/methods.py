@@ -322,13 +322,7 @@ class EagerDDPMethod(Method):
         from packgraph.distributed import summing_ddp
 
         super().__init__(model, policy, device)
-        _one_process_group(device)
-        ids = (
-            [device.index if device.index is not None else torch.cuda.current_device()]
-            if device.type == "cuda"
-            else None
-        )
-        self.ddp = summing_ddp(model, device_ids=ids)
+        self.ddp = summing_ddp(model, device_ids=_one_process_group(device))
 
     def loss(self, inp: Any) -> Tensor:
         return self.ddp(inp.tokens, inp.packed_seq_params, inp.labels, inp.loss_mask)[1]
@@ -344,13 +338,7 @@ class GraphedDDPMethod(GraphedMethod):
         from packgraph.distributed import summing_ddp
 
         super().__init__(model, policy, device)
-        _one_process_group(device)
-        ids = (
-            [device.index if device.index is not None else torch.cuda.current_device()]
-            if device.type == "cuda"
-            else None
-        )
-        self.ddp = summing_ddp(self.graphed, device_ids=ids)
+        self.ddp = summing_ddp(self.graphed, device_ids=_one_process_group(device))
 
     def loss(self, inp: PackedBatch) -> Tensor:
         return self.ddp(inp)[1]

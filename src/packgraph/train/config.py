@@ -21,6 +21,7 @@ __all__ = ["TrainConfig", "resolve_device", "default_out_dir"]
 DP_ENGINES = ("ddp", "allreduce")
 """Who sums the gradients over the ranks of a ``torchrun`` job (:mod:`packgraph.train.parallel`)."""
 
+
 @dataclass
 class TrainConfig:
     """Everything a run depends on. ``validate()`` rejects bad values with a ``ValueError`` that says what to do.
