@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from packgraph.distributed.cp import cp_position_ids, cp_varlen_attention
 from packgraph.ops import apply_rope_thd, varlen_attention
 from packgraph.params import PackedSeqParams
 
@@ -142,10 +143,16 @@ class AttentionBlock(nn.Module):
         q, k, v = self.qkv(self.norm(x)).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
         )
-        q = apply_rope_thd(q.view(T, self.n_head, self.head_dim), params, base=self.rope_base)
-        k = apply_rope_thd(k.view(T, self.n_kv_head, self.head_dim), params, base=self.rope_base)
+        # Context parallel (params from packgraph.distributed.shard_thd_for_cp): these rows are one rank's shard
+        # of the stream, so RoPE takes their positions in the whole sequences and attention gathers K/V.
+        cp = params.local_cp_size is not None and params.local_cp_size > 1
+        positions = cp_position_ids(params, total_tokens=T) if cp else None
+        q = apply_rope_thd(q.view(T, self.n_head, self.head_dim), params, base=self.rope_base, position_ids=positions)
+        k = apply_rope_thd(
+            k.view(T, self.n_kv_head, self.head_dim), params, base=self.rope_base, position_ids=positions
+        )
         v = v.view(T, self.n_kv_head, self.head_dim)
-        y = varlen_attention(q, k, v, params, causal=True)
+        y = (cp_varlen_attention if cp else varlen_attention)(q, k, v, params, causal=True)
         return x + self.dropout(self.proj(y.reshape(T, self.n_head * self.head_dim)))
 
 
