@@ -265,6 +265,11 @@ class OpReplay:
         with torch._C._AutoDispatchBelowADInplaceOrView(), torch.autocast("cpu", enabled=False):
             for func, args, kwargs, refill in self.log:
                 out = func(*args, **kwargs)
+                if func.namespace == "c10d":
+                    # A collective returns its Work: a CUDA graph orders it on the stream, the CPU must wait.
+                    for work in out if isinstance(out, tuple) else (out,):
+                        if hasattr(work, "wait"):
+                            work.wait()
                 if refill:
                     fresh = _returned(func._schema, out)
                     for k, target in refill:
