@@ -183,7 +183,9 @@ class _OpRecording(TorchDispatchMode):
                 self.skipped_writes += 1
                 out = written[0]
                 return out if len(schema.returns) == 1 else tuple(written)
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            _wait_collective(func, out)  # its completion ops (gloo's split and copy_) run here, not logged
+            return out
         out = func(*args, **kwargs)
         refill = []
         for k, (t, ret) in enumerate(_returned(schema, out)):
@@ -193,6 +195,18 @@ class _OpRecording(TorchDispatchMode):
         if func not in _NO_KERNEL:
             self.log.append((func, args, kwargs, refill))
         return out
+
+
+def _wait_collective(func, out):
+    """Wait on a collective's Work (a ``c10d`` op returns one): a CUDA graph orders the collective on its stream, the
+    CPU must wait for it. Waiting here, inside the recording's dispatch, also keeps the ops that complete it (gloo
+    finishes a reduce-scatter with ``split`` and ``copy_`` when waited on) out of the op log: they belong to the
+    collective, which the replay re-runs whole."""
+    if func.namespace != "c10d":
+        return
+    for work in out if isinstance(out, tuple) else (out,):
+        if hasattr(work, "wait"):
+            work.wait()
 
 
 def _integer_indexing(func, args):
@@ -265,11 +279,7 @@ class OpReplay:
         with torch._C._AutoDispatchBelowADInplaceOrView(), torch.autocast("cpu", enabled=False):
             for func, args, kwargs, refill in self.log:
                 out = func(*args, **kwargs)
-                if func.namespace == "c10d":
-                    # A collective returns its Work: a CUDA graph orders it on the stream, the CPU must wait.
-                    for work in out if isinstance(out, tuple) else (out,):
-                        if hasattr(work, "wait"):
-                            work.wait()
+                _wait_collective(func, out)
                 if refill:
                     fresh = _returned(func._schema, out)
                     for k, target in refill:

@@ -5,20 +5,19 @@ batch (``shard_thd_for_cp``) and the GPT runs its attention across them (``cp_va
 positions). Every rank's loss is the sum of cross-entropy over its local targets divided by the step's global
 target count, and DDP sums the gradients over all four ranks (``summing_ddp`` on the whole mesh): context parallel
 ranks hold partial grads of the same batch, data parallel ranks grads of different batches. After each step the
-parameters must equal one process trained eagerly on the union of the step's unsharded batches.
-
-Training is tested eagerly. With graphed layers on the op-replay stand-in the forward replays right (the last test),
-but a graphed backward's grads come out NaN (the reduce-scatter of the K/V grads inside the backward graph; not yet
-understood), so graphed training is not tested here. CUDA graphs capture NCCL's collectives
-(tests/cuda/test_distributed_cuda.py, two GPUs).
+parameters must equal one process trained eagerly on the union of the step's unsharded batches: eager, and with
+graphed layers on the op-replay stand-in, whose graphs hold the all-gather (forward) and the reduce-scatter
+(backward) of K/V, replayed in order as a CUDA graph replays NCCL's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -72,7 +71,7 @@ def _reference(batches: list[PackedBatch]) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _worker(rank: int, world: int, init: str) -> None:
+def _worker(rank: int, world: int, init: str, graphed: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
@@ -84,40 +83,46 @@ def _worker(rank: int, world: int, init: str) -> None:
         batches = _batches(STEPS * DP)
         want = _reference(batches)
         model = _model()
-        ddp = summing_ddp(_LossSum(model))  # the whole mesh: dp and cp ranks alike
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        for s in range(STEPS):
-            batch = batches[s * DP + dp_rank]
-            local, params, _ = shard_thd_for_cp(batch, None, cp_rank, CP, cp_group=cp_group)
-            count = global_token_count(int(local.loss_mask.sum()))  # each target counted on one rank
-            opt.zero_grad(set_to_none=True)
-            (ddp(local.tokens, params, local.labels, local.loss_mask) / count).backward()
-            opt.step()
-            for n, p in model.named_parameters():
-                torch.testing.assert_close(
-                    p.detach(), want[s][n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n, s=s: f"step {s} {n}: {m}"
-                )
-        del ddp  # the reducer before the group (tests/distributed/test_ddp_graphs.py)
-        gc.collect()
+        with use_recorder(OpReplayRecorder()) if graphed else contextlib.nullcontext():
+            blocks = model.graphed(scope="layer") if graphed else None
+            ddp = summing_ddp(_LossSum(model, blocks))  # the whole mesh: dp and cp ranks alike
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            for s in range(STEPS):
+                batch = batches[s * DP + dp_rank]
+                local, params, _ = shard_thd_for_cp(batch, None, cp_rank, CP, cp_group=cp_group)
+                count = global_token_count(int(local.loss_mask.sum()))  # each target counted on one rank
+                opt.zero_grad(set_to_none=True)
+                (ddp(local.tokens, params, local.labels, local.loss_mask) / count).backward()
+                opt.step()
+                for n, p in model.named_parameters():
+                    torch.testing.assert_close(
+                        p.detach(), want[s][n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n, s=s: f"step {s} {n}: {m}"
+                    )
+            del ddp, blocks  # the reducer before the group (tests/distributed/test_ddp_graphs.py)
+            gc.collect()
     finally:
         dist.destroy_process_group()
 
 
 class _LossSum(torch.nn.Module):
-    """The local loss sum: what DDP wraps."""
+    """The local loss sum, through the graphed blocks when given: what DDP wraps."""
 
-    def __init__(self, model: GPT) -> None:
+    def __init__(self, model: GPT, graphed=None) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.graphed = model, graphed
 
     def forward(self, tokens, params, labels, mask):
-        return _loss_sum(self.model, tokens, params, labels, mask)
+        if self.graphed is None:
+            return _loss_sum(self.model, tokens, params, labels, mask)
+        logits = self.model.logits_from_hidden(self.graphed.forward_hidden(tokens, params))
+        return (F.cross_entropy(logits.float(), labels.clamp_min(0), reduction="none") * mask).sum()
 
 
-def test_dp_times_cp_on_one_mesh_equals_one_process_on_the_union():
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_dp_times_cp_on_one_mesh_equals_one_process_on_the_union(graphed):
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(DP * CP, os.path.join(tmp, "init")), nprocs=DP * CP,
+        mp.start_processes(_worker, args=(DP * CP, os.path.join(tmp, "init"), graphed), nprocs=DP * CP,
                            start_method=method)  # fmt: skip
 
 

@@ -58,6 +58,14 @@ def _all_gather_into(out: Tensor, inp: Tensor, group: Any) -> None:
 
 
 def _reduce_scatter_into(out: Tensor, inp: Tensor, group: Any) -> None:
+    if dist.get_backend(group) == "gloo":
+        # gloo has no reduce-scatter of its own: torch completes one with a split and a copy_ outside the
+        # collective's op, which a recorded op log then replays as if they were the caller's. An all-reduce and
+        # this rank's slice are the same sum, in ops of their own.
+        total = inp.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        out.copy_(total.view(dist.get_world_size(group), *out.shape)[dist.get_rank(group)])
+        return
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, inp, op=dist.ReduceOp.SUM, group=group)
 
