@@ -3,9 +3,10 @@
 
 The CPU tests (tests/distributed/test_ddp_graphs.py) run the same comparison on the stand-in recorders; here the
 graphs are CUDA's. Each rank trains a float32 GPT, graphed (scope ``layer``, ``attn``, ``model``, and ``layer``
-with recomputation) or eager, inside ``summing_ddp`` with two micro-batches per step (``no_sync`` on the first),
-under deterministic kernels; after every step its parameters are compared with one process trained eagerly on the
-union of the ranks' batches, and graphed ranks with eager ranks of the same world size.
+with recomputation) or eager, inside ``summing_ddp`` with two micro-batches per step (``no_sync`` on the first).
+After every step its parameters are compared with one process trained eagerly on the union of the ranks' batches.
+On CUDA the float32 attention runs packgraph's exact reference (FlashAttention takes half types only), so float32
+rounding is the only difference.
 """
 
 from __future__ import annotations
@@ -64,39 +65,36 @@ def _reference(batches, world):
 
 
 def _worker(rank: int, world: int, backend: str, init: str, out: str) -> None:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     from packgraph.distributed import global_token_count, shard_batches, summing_ddp
-    from packgraph.train import deterministic_kernels
 
     torch.cuda.set_device(0)
     dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
     worst: dict[str, float] = {}
     try:
-        with deterministic_kernels(True):
-            batches = _batches(STEPS * world * MICRO)
-            want = _reference(batches, world)
-            for label, scope, opts in RUNS:
-                model = _model()
-                runner = model.graphed(scope=scope, **opts) if scope else model
-                ddp = summing_ddp(runner, device_ids=[0])
-                opt = torch.optim.SGD(model.parameters(), lr=LR)
-                worst[label] = 0.0
-                for s in range(STEPS):
-                    step = batches[s * world * MICRO : (s + 1) * world * MICRO]
-                    mine = [b.to("cuda") for b in shard_batches(step, rank, world)]
-                    count = global_token_count(sum(b.num_real_tokens for b in mine), device="cuda")
-                    opt.zero_grad(set_to_none=True)
-                    for i, b in enumerate(mine):
-                        with ddp.no_sync() if i < len(mine) - 1 else contextlib.nullcontext():
-                            _, loss = ddp(b)
-                            (loss * (b.num_real_tokens / count)).backward()
-                    opt.step()
-                    for n, p in model.named_parameters():
-                        err = ((p.detach() - want[s][n]).abs().max() / want[s][n].abs().max()).item()
-                        worst[label] = max(worst[label], err)
-                        where = f"{label} step {s} {n}"
-                        torch.testing.assert_close(p.detach(), want[s][n], **TOL, msg=lambda m, w=where: f"{w}: {m}")
-                del ddp, runner
+        batches = _batches(STEPS * world * MICRO)
+        want = _reference(batches, world)
+        for label, scope, opts in RUNS:
+            model = _model()
+            runner = model.graphed(scope=scope, **opts) if scope else model
+            ddp = summing_ddp(runner, device_ids=[0])
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            worst[label] = 0.0
+            for s in range(STEPS):
+                step = batches[s * world * MICRO : (s + 1) * world * MICRO]
+                mine = [b.to("cuda") for b in shard_batches(step, rank, world)]
+                count = global_token_count(sum(b.num_real_tokens for b in mine), device="cuda")
+                opt.zero_grad(set_to_none=True)
+                for i, b in enumerate(mine):
+                    with ddp.no_sync() if i < len(mine) - 1 else contextlib.nullcontext():
+                        _, loss = ddp(b)
+                        (loss * (b.num_real_tokens / count)).backward()
+                opt.step()
+                for n, p in model.named_parameters():
+                    err = ((p.detach() - want[s][n]).abs().max() / want[s][n].abs().max()).item()
+                    worst[label] = max(worst[label], err)
+                    where = f"{label} step {s} {n}"
+                    torch.testing.assert_close(p.detach(), want[s][n], **TOL, msg=lambda m, w=where: f"{w}: {m}")
+            del ddp, runner
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(worst))
         dist.destroy_process_group()

@@ -70,12 +70,19 @@ def _cases(out: str) -> None:
     docs = split_documents(load_corpus(max_docs=200), 512, min_len=8, seed=0)
     rows = pack_dataset([{"input_ids": d.tolist()} for d in docs], T, buckets=policy)
 
-    def train(name, weights, scope, *, liger, graphs):
-        config = dict(
+    def config(name):
+        return dict(
             size_overrides(name, hidden_size=256, num_layers=4, window=64, max_positions=T),
             vocab_size=VOCAB_SIZE, pad_token_id=PAD_ID, initializer_range=0.02,
         )  # fmt: skip
-        model = tiny_model(name, dtype=getattr(torch, weights), **config).cuda()  # the same seed: the same weights
+
+    # The initial weights, drawn before any Liger patch: Liger swaps transformers' classes (its MLP, its norm), and
+    # a model built after that could draw its random weights in another order.
+    inits = {case: tiny_model(case[0], dtype=getattr(torch, case[1]), **config(case[0])).state_dict() for case in CASES}
+
+    def train(name, weights, scope, *, liger, graphs):
+        init = inits[(name, weights, scope)]
+        model = tiny_model(name, dtype=getattr(torch, weights), state_dict=init, **config(name)).cuda()
         args = transformers.TrainingArguments(
             output_dir=f"{out}.runs", per_device_train_batch_size=1, max_steps=STEPS, learning_rate=1e-3,
             lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, bf16=True,
