@@ -156,3 +156,21 @@ def test_a_dense_model_gets_no_moe_hint():
         with use_recorder(_stand_in()):
             hf.graph_decoder_layers(model, _batches()[0], scope="mlp")
     assert "MoE" not in str(info.value)
+
+
+@pytest.mark.parametrize("scope", hf.SCOPES)
+def test_one_capture_per_layer_under_autocast(scope):
+    """Under bf16 autocast a partial scope's layer k > 0 is sampled at capture with the input dtype a real call
+    brings (the float32 norm of the residual stream), so the first real step replays: one capture per layer."""
+    model = tiny_model("llama").train()
+    batches = _batches()
+    with use_recorder(_stand_in()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            handle = hf.graph_decoder_layers(model, batches[0], scope=scope)
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = hf.packed_forward(model, batch, compute_loss=True)
+            out.loss.backward()
+    assert [g.captures for g in handle.graphed] == [1] * model.config.num_hidden_layers
+    handle.remove()

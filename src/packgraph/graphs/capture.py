@@ -433,6 +433,7 @@ def _capture_stack(
     ``apart`` captures into a pool of their own (:class:`~packgraph.graphs.entry.Entry`)."""
     entries: list[Entry] = []
     started = []
+    first = args[0] if args else None
     for k, g in enumerate(graphed):
         if k > 0:
             prev = entries[-1]
@@ -442,6 +443,11 @@ def _capture_stack(
                     "argument); wrap layers that return more"
                 )
             out = prev.static_outputs[0]
+            if not g.group.chain and isinstance(first, Tensor) and out.dtype != first.dtype:
+                # Unchained layers each get an input of their own (an attention half: the float32 norm of the
+                # residual stream, not the previous attention's bf16 output under autocast): the sample keeps the
+                # first one's dtype, which is in the signature, so the first real call replays instead of capturing.
+                out = out.to(first.dtype)
             args = (out.detach().requires_grad_(out.requires_grad), *args[1:])
         started.append(time.perf_counter())
         key, dyn = g.signature(args, kwargs)
