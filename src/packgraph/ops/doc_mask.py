@@ -1,0 +1,127 @@
+"""Document-mask attention: FlexAttention over one packed stream, its mask built on the device from the offsets.
+
+:func:`doc_mask_attention` is self-attention over a ``[T, H, D]`` stream of packed documents with the contract of
+:func:`~packgraph.ops.varlen_attention` (GQA, causal, ``window``, ``softcap``, padded layouts, ghost slots, dead rows
+exact zeros), computed by ``torch.nn.attention.flex_attention`` with a block mask. Each row's document and liveness
+come from ``cu_seqlens`` by ``searchsorted`` on the device, so nothing is read on the host. The launch depends on
+``T`` and the mask's blocks only: not on ``max_seqlen`` nor on the number of documents. A graph of a layer that uses
+it therefore serves every packing of its ``T``, with no bucket ladder.
+
+.. warning:: Not measured on a GPU yet (issue #36): FlexAttention is meant to run compiled there, and whether the
+   block mask's construction captures into a CUDA graph without a host read is still to be checked.
+.. warning:: torch 2.13's FlexAttention has no backward on the CPU: there it serves forward passes only (scoring,
+   and the CPU tests of this module).
+.. warning:: A block that straddles two documents multiplies one document's values by the other's zero
+   probabilities: a NaN or Inf in one document's keys or values reaches its neighbours, where FlashAttention's
+   varlen kernel never reads them. Finite inputs give the same results. Rows of no document are zeroed first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from packgraph.params import PackedSeqParams
+
+__all__ = ["doc_mask_attention", "document_block_mask"]
+
+
+def _rows(params: PackedSeqParams, total: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Per row of the stream: the slot that holds it, and whether it is a real token (int64 ``[T]``, bool ``[T]``)."""
+    layout = params.layout_offsets("q").to(device=device, dtype=torch.long)
+    lengths = (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).to(device=device, dtype=torch.long)
+    slots = lengths.numel()
+    rows = torch.arange(total, device=device)
+    # The slot whose layout span holds the row: the count of slot ends at or before it (ghost slots, empty, end
+    # where they start and are skipped). Rows past the last end get ``slots`` (the dead tail).
+    slot = torch.searchsorted(layout[1:], rows, right=True)
+    clamped = slot.clamp(max=max(slots - 1, 0))
+    live = (slot < slots) & (rows - layout[clamped] < lengths[clamped])
+    return slot, live
+
+
+def document_block_mask(
+    packed_seq_params: PackedSeqParams,
+    total: int,
+    device: torch.device,
+    *,
+    causal: bool = True,
+    window: tuple[int, int] | None = None,
+) -> tuple[Any, Tensor]:
+    """The FlexAttention block mask of a packed stream of ``total`` rows, and its live rows (bool ``[total]``).
+
+    A query row sees the keys of its own document only (causal and ``window`` as in ``varlen_attention``); rows of no
+    document see nothing. Built on ``device`` from the offsets, with no host read.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    slot, live = _rows(packed_seq_params, total, device)
+    left, right = window if window is not None else (-1, -1)
+
+    def mask_mod(b: Any, h: Any, qi: Tensor, ki: Tensor) -> Tensor:
+        keep = live[qi] & live[ki] & (slot[qi] == slot[ki])
+        if causal:
+            keep = keep & (ki <= qi)
+        if left >= 0:
+            keep = keep & (qi - ki <= left)
+        if right >= 0:
+            keep = keep & (ki - qi <= right)
+        return keep
+
+    return create_block_mask(mask_mod, 1, None, total, total, device=device), live
+
+
+def doc_mask_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    packed_seq_params: PackedSeqParams,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Self-attention of packed documents, ``[T, Hq, D]`` x ``[T, Hkv, D]`` -> ``[T, Hq, D]``, by FlexAttention.
+
+    Same options and results as :func:`~packgraph.ops.varlen_attention` for self-attention (``q`` and ``k`` rows
+    in one layout); ``window`` is ``(left, right)`` in FlashAttention's convention (-1: unbounded).
+
+    Raises:
+        ValueError: ``q`` and ``k`` of different row counts (cross-attention: use ``varlen_attention``), or not
+            ``[T, H, D]`` with ``Hq % Hkv == 0``.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"doc_mask_attention takes self-attention q [T, Hq, D] and k, v [T, Hkv, D] with Hq % Hkv == 0, got "
+            f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}; use varlen_attention for other shapes"
+        )
+    total = q.shape[0]
+    block_mask, live = document_block_mask(packed_seq_params, total, q.device, causal=causal, window=window)
+    # Rows of no document could hold anything (NaN from a diverged run): a partly masked block still multiplies
+    # their values by a zero probability, so they are zeroed first, as FlashAttention never reads them.
+    k = torch.where(live.view(total, 1, 1), k, torch.zeros((), dtype=k.dtype, device=k.device))
+    v = torch.where(live.view(total, 1, 1), v, torch.zeros((), dtype=v.dtype, device=v.device))
+
+    score_mod = None
+    if softcap is not None:
+
+        def score_mod(score: Tensor, b: Any, h: Any, qi: Tensor, ki: Tensor) -> Tensor:
+            return softcap * torch.tanh(score / softcap)
+
+    out = flex_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=softmax_scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    out = out[0].transpose(0, 1)
+    # A row with no key (dead, or a ghost's) is defined as zeros, whatever the kernel leaves there.
+    return torch.where(live.view(total, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
