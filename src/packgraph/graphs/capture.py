@@ -87,6 +87,8 @@ __all__ = ["capture", "capture_layers", "capture_with", "capture_layers_with", "
 def _refuse_sharded(module: nn.Module, name: str) -> None:
     """Raise ``NotImplementedError`` for a module FSDP2 shards (``fully_shard``): it all-gathers the parameters into
     new storage around each forward and backward, and frees them after, outside anything a graph replays."""
+    if not torch.distributed.is_available():
+        return
     try:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
