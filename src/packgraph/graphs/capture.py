@@ -133,10 +133,10 @@ class GraphedCallable:
         self.fn = fn
         owner = getattr(fn, "__self__", None)
         self.module = fn if isinstance(fn, nn.Module) else owner if isinstance(owner, nn.Module) else None
-        if self.module is not None:
-            _refuse_sharded(self.module, name or _name_of(fn))
         self.group = group
         self.name = name or _name_of(fn)
+        if self.module is not None:
+            _refuse_sharded(self.module, self.name)
         policy = group.preparer.buckets
         bound, warn_at = max_graphs, None
         if bound is None and policy is None:

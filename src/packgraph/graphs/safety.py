@@ -145,14 +145,7 @@ def failing_frame(exc: BaseException) -> HostSync | None:
     A failed capture often surfaces as the capture-end error, raised in torch, while the exception that broke the
     capture (raised at the user's line) is its ``__context__``: the chain is searched innermost first.
     """
-    chain: list[BaseException] = []
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    for e in reversed(chain):
+    for e in reversed(_chain(exc)):
         if e.__traceback__ is None:
             continue
         found = _host_sync_from_frames(f"capture error: {_first_line(e)}", traceback.extract_tb(e.__traceback__))
@@ -166,28 +159,31 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during, outermost first (a cycle ends the walk)."""
+    chain: list[BaseException] = []
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    return chain
+
+
+def _is_capture_failure(e: BaseException) -> bool:
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _CAPTURE_MARKERS)
+
+
 def _root_capture_error(exc: BaseException) -> BaseException:
     """The innermost capture failure in ``exc``'s chain: the op that broke the capture, not capture_end's
     "operation failed due to a previous error during capture" raised while it propagated."""
-    found, seen, e = exc, set(), exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, RuntimeError) and any(m in str(e) for m in _CAPTURE_MARKERS):
-            found = e
-        e = e.__cause__ or e.__context__
-    return found
+    return next((e for e in reversed(_chain(exc)) if _is_capture_failure(e)), exc)
 
 
 def is_capture_error(exc: BaseException) -> bool:
     """Whether ``exc`` (or one it chains to) is a CUDA stream-capture failure."""
-    e: BaseException | None = exc
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, RuntimeError) and any(m in str(e) for m in _CAPTURE_MARKERS):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return any(_is_capture_failure(e) for e in _chain(exc))
 
 
 # --------------------------------------------------------------------------------------------- fixes
