@@ -9,15 +9,27 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check"
 
 
-def _shard(root: Path, shard: str = "1/1", *, tests: int, failures: int = 0, skipped: int = 0, **meta) -> Path:
+def _split(count: int, jobs: int, j: int) -> int:
+    return count // jobs + (j < count % jobs)
+
+
+def _shard(
+    root: Path, shard: str = "1/1", *, tests: int, failures: int = 0, skipped: int = 0, jobs: int = 1, exits=None, **m
+) -> Path:
+    """A shard's folder as gpu-check leaves it; with jobs > 1, the counts are split over the pytest processes."""
     out = root / shard.replace("/", "-")
     out.mkdir()
-    base = dict(gpu="NVIDIA H200", torch="2.11.0+cu130", cuda="13.0", code="tree abc", shard=shard)
-    (out / "meta.json").write_text(json.dumps({**base, **meta}))
-    (out / "junit.xml").write_text(
-        f'<testsuites><testsuite name="pytest" tests="{tests}" failures="{failures}" errors="0" '
-        f'skipped="{skipped}"></testsuite></testsuites>'
-    )
+    base = dict(gpu="NVIDIA H200", torch="2.11.0+cu130", cuda="13.0", code="tree abc", shard=shard, jobs=jobs)
+    (out / "meta.json").write_text(json.dumps({**base, **m}))
+    names = ["junit.xml"] if jobs == 1 else [f"junit-{j}.xml" for j in range(1, jobs + 1)]
+    exits = exits or [1 if failures else 0] * jobs
+    for j, (name, code) in enumerate(zip(names, exits, strict=True)):
+        (out / name).write_text(
+            f'<testsuites><testsuite name="pytest" tests="{_split(tests, jobs, j)}" '
+            f'failures="{_split(failures, jobs, j)}" errors="0" skipped="{_split(skipped, jobs, j)}"></testsuite>'
+            "</testsuites>"
+        )
+        (out / f"{name}.exit").write_text(f"{code}\n")
     row = {"test": "t", "name": f"figure of {shard}", "value": 1.5, "unit": "ms"}
     (out / "report.jsonl").write_text(json.dumps(row) + "\n")
     return out
@@ -61,4 +73,25 @@ def test_summary_refuses_a_shard_that_did_not_finish(tmp_path):
     two.mkdir()
     (two / "meta.json").write_text("{}")  # a run stopped before pytest wrote its junit.xml
     proc = _summary(one, two)
+    assert proc.returncode != 0 and "holds no finished run" in proc.stderr
+
+
+def test_a_shard_run_in_several_pytest_processes_counts_all_of_them(tmp_path):
+    one = _shard(tmp_path, "1/2", tests=11, skipped=3, jobs=3)
+    two = _shard(tmp_path, "2/2", tests=7, failures=2, jobs=2)
+    proc = _summary(one, two)
+    assert proc.returncode == 0, proc.stderr
+    assert "tests          : 13 passed, 2 failed, 3 skipped" in proc.stdout
+
+
+def test_summary_refuses_a_shard_whose_pytest_was_interrupted(tmp_path):
+    one = _shard(tmp_path, "1/1", tests=6, jobs=3, exits=[0, 2, 0])  # GPU_CHECK_TIMEOUT stopped process 2
+    proc = _summary(one)
+    assert proc.returncode != 0 and "stopped early" in proc.stderr
+
+
+def test_summary_refuses_a_shard_missing_one_of_its_pytest_processes(tmp_path):
+    one = _shard(tmp_path, "1/1", tests=6, jobs=3)
+    (one / "junit-3.xml").unlink()  # killed before pytest could write it
+    proc = _summary(one)
     assert proc.returncode != 0 and "holds no finished run" in proc.stderr
