@@ -1,10 +1,14 @@
-"""FSDP2 (``fully_shard``) and graphed layers, on CPU with gloo.
+"""FSDP2 (``fully_shard``) with graphed layers, on CPU with gloo and the stand-in recorders.
 
-FSDP2 all-gathers a layer's parameters into new storage around its forward and backward and frees them after,
-outside anything a graph replays. Until graphs can follow that, capturing a module FSDP2 shards raises a
-``NotImplementedError`` naming FSDP2 and the fix (torch DDP), for a whole sharded layer and for a part of one
-(whose parameters are DTensor shards). FSDP2 itself, eager, trains as one process on the union of the ranks'
-batches here: the refusal is about graphs, not about the harness.
+FSDP2 gathers a unit's parameters into new storage for its forward and for its backward, and frees them after.
+Graphed layers inside it read static copies of the gathered parameters, refreshed at every call, while FSDP2's
+hooks (gather, reshard, reduce-scatter) run eagerly around the replay (docs/distributed.md).
+
+Each block is an FSDP2 unit and so is the whole GPT (its root: the embedding and the head). The reference is one
+process trained on the union of every rank's batches, eagerly (tests/distributed/test_ddp_graphs.py). After each
+optimizer step, every rank's gathered parameters must equal the reference's, for graphed blocks (scope ``layer``)
+and graphed halves (``attn``, ``mlp``: called inside their block's hooks), as they do for FSDP2 eagerly. A graph of
+a module holding units below it is refused by name, and so is a graphed half called outside its unit's forward.
 """
 
 from __future__ import annotations
@@ -20,41 +24,95 @@ import torch.multiprocessing as mp
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
 from packgraph.distributed import global_token_count, shard_batches  # noqa: E402
-from packgraph.graphs import use_recorder  # noqa: E402
+from packgraph.graphs import capture, use_recorder  # noqa: E402
 from tests.distributed.test_ddp_graphs import LR, STEPS, _batches, _model, _reference  # noqa: E402
-from tests.eager_recorder import OpReplayRecorder  # noqa: E402
+from tests.eager_recorder import EagerRecorder, OpReplayRecorder  # noqa: E402
+
+RECORDERS = {"eager": EagerRecorder, "op-replay": OpReplayRecorder}
 
 
-def _worker(rank: int, world: int, init: str) -> None:
+def _sharded_model():
+    model = _model()
+    for block in model.blocks:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(model)
+    return model
+
+
+def _train(model, run, batches, want, rank: int, world: int, micro: int) -> None:
+    """SGD steps of ``run`` (a callable returning ``(logits, loss)``) on this rank's share of each step's batches;
+    the gathered parameters must equal the reference's after every step."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    per_step = world * micro
+    for s in range(STEPS):
+        mine = list(shard_batches(batches[s * per_step : (s + 1) * per_step], rank, world))
+        count = global_token_count(sum(b.num_real_tokens for b in mine))
+        opt.zero_grad(set_to_none=True)
+        for b in mine:
+            _, loss = run(b)
+            (loss * (b.num_real_tokens * world / count)).backward()  # FSDP2 averages its reduce-scatter
+        opt.step()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.full_tensor().detach(), want[s][n], rtol=1e-5, atol=1e-8, msg=n)
+
+
+def _worker(rank: int, world: int, init: str, case: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        batches = _batches(STEPS * world)
-        want = _reference(batches, world, 1)
-        model = _model()
-        for block in model.blocks:
-            fsdp.fully_shard(block)
-        fsdp.fully_shard(model)
-        for scope in ("layer", "attn", "mlp"):
-            with use_recorder(OpReplayRecorder()), pytest.raises(NotImplementedError, match="FSDP2") as info:
-                model.graphed(scope=scope)(batches[rank])
-            assert "DDP" in str(info.value)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        for s in range(STEPS):
-            mine = list(shard_batches(batches[s * world : (s + 1) * world], rank, world))
-            count = global_token_count(sum(b.num_real_tokens for b in mine))
-            opt.zero_grad(set_to_none=True)
-            for b in mine:
-                _, loss = model(b)
-                (loss * (b.num_real_tokens * world / count)).backward()  # FSDP2 averages its reduce-scatter
-            opt.step()
-            for n, p in model.named_parameters():
-                torch.testing.assert_close(p.full_tensor().detach(), want[s][n], rtol=1e-5, atol=1e-8, msg=n)
+        micro = case.get("micro", 1)
+        batches = _batches(STEPS * world * micro)
+        want = _reference(batches, world, micro)
+        eager = _sharded_model()
+        _train(eager, eager, batches, want, rank, world, micro)
+
+        model = _sharded_model()
+        with use_recorder(RECORDERS[case["recorder"]]()):
+            graphed = model.graphed(scope=case["scope"])
+            _train(model, graphed, batches, want, rank, world, micro)
+            # one capture per layer: the copies are refreshed in place, never a reason to capture again
+            assert [g.captures for g in graphed.callables] == [1] * len(model.blocks)
+            assert all(g.copies_params for g in graphed.callables)
     finally:
         dist.destroy_process_group()
 
 
-def test_graphs_inside_fsdp2_are_refused_by_name_and_fsdp2_eager_trains_as_one_process():
+def _spawn(world: int, case: dict, worker=_worker) -> None:
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(2, os.path.join(tmp, "init")), nprocs=2, start_method=method)
+        mp.start_processes(worker, args=(world, os.path.join(tmp, "init"), case), nprocs=world, start_method=method)
+
+
+@pytest.mark.parametrize("scope", ["layer", "attn", "mlp"])
+def test_graphed_fsdp2_units_train_as_one_process_on_the_union(scope):
+    _spawn(2, {"scope": scope, "recorder": "op-replay"})
+
+
+def test_graphed_fsdp2_on_four_ranks_with_micro_batches():
+    _spawn(4, {"scope": "layer", "recorder": "op-replay", "micro": 2})
+
+
+def test_graphed_fsdp2_with_the_rerunning_stand_in():
+    _spawn(2, {"scope": "layer", "recorder": "eager"})
+
+
+def _refusals(rank: int, world: int, init: str, case: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        model = _sharded_model()
+        batch = _batches(1)[0]
+        with use_recorder(OpReplayRecorder()):
+            # a module holding units: their gathers would run inside its graph
+            with pytest.raises(NotImplementedError, match="Graph each unit"):
+                model.graphed(scope="model")(batch)
+            # a graphed half called outside its unit's forward, where its parameters are shards
+            attn = capture(model.blocks[0].attn, (torch.zeros(32, 32, dtype=torch.float64), batch.packed_seq_params))
+            with pytest.raises(RuntimeError, match="still sharded by FSDP2"):
+                attn(torch.zeros(32, 32, dtype=torch.float64), batch.packed_seq_params)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_what_fsdp2_cannot_graph_is_refused_by_name():
+    _spawn(2, {}, worker=_refusals)

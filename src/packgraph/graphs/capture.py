@@ -79,31 +79,69 @@ from packgraph.graphs.signature import (
     identity_statics,
     is_chained,
 )
+from packgraph.graphs.stand_ins import stand_in_leaf
 
-__all__ = ["capture", "capture_layers", "capture_with", "capture_layers_with", "GraphedCallable"]
+__all__ = [
+    "capture",
+    "capture_layers",
+    "capture_with",
+    "capture_layers_with",
+    "GraphedCallable",
+    "call_with_forward",
+    "is_fsdp_unit",
+]
 
 
 # --------------------------------------------------------------------------------------------- public
-def _refuse_sharded(module: nn.Module, name: str) -> None:
-    """Raise ``NotImplementedError`` for a module FSDP2 shards (``fully_shard``): it all-gathers the parameters into
-    new storage around each forward and backward, and frees them after, outside anything a graph replays."""
+def _fsdp_role(module: nn.Module, name: str) -> str | None:
+    """How FSDP2 (``fully_shard``) holds ``module``'s parameters: ``"unit"`` (the module is an FSDP2 unit),
+    ``"part"`` (a submodule of a unit: DTensor parameters, gathered only inside the unit's forward and backward) or
+    None. A module holding units below it is refused with ``NotImplementedError``: their hooks gather and free
+    parameters inside what a graph of it would replay."""
     if not torch.distributed.is_available():
-        return
+        return None
     try:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without these has no FSDP2
-        return
-    sharded = any(isinstance(m, FSDPModule) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )
-    if sharded:
+        return None
+    inner = [m for m in module.modules() if isinstance(m, FSDPModule) and m is not module]
+    if inner:
         raise NotImplementedError(
-            f"{name}: its parameters are sharded by FSDP2 (fully_shard), which gathers them into new storage around "
-            "each forward and backward and frees them after, so a graph would read freed or stale weights; graphed "
-            "layers are not supported inside FSDP2: use torch DDP for data parallelism "
-            "(packgraph.distributed.summing_ddp), or leave these layers eager"
+            f"{name}: it holds FSDP2 units (fully_shard) below it, whose hooks gather their parameters into new "
+            "storage and free them inside what a graph of it would replay. Graph each unit instead (capture_layers "
+            "over the sharded layers, scope 'layer'): their gathers then run eagerly around the graphs"
         )
+    if isinstance(module, FSDPModule):
+        return "unit"
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        return "part"
+    return None
+
+
+def is_fsdp_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard``)."""
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def call_with_forward(module: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``module(*args, **kwargs)`` with ``forward`` in place of its forward: its hooks (FSDP2's gather before,
+    reshard after, and their backward counterparts) run around ``forward`` as they run around an eager one."""
+    previous = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        return module(*args, **kwargs)
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
 
 
 class GraphedCallable:
@@ -131,12 +169,17 @@ class GraphedCallable:
         if num_warmup_iters < 1:
             raise ValueError(f"num_warmup_iters must be >= 1, got {num_warmup_iters}")
         self.fn = fn
-        owner = getattr(fn, "__self__", None)
-        self.module = fn if isinstance(fn, nn.Module) else owner if isinstance(owner, nn.Module) else None
+        self.module = _module_of(fn)
         self.group = group
         self.name = name or _name_of(fn)
-        if self.module is not None:
-            _refuse_sharded(self.module, self.name)
+        # Under FSDP2 the parameters are gathered into new storage for each forward and backward: the graphs read
+        # copies of them, refreshed at every call (Entry.load), and an FSDP2 unit's own hooks run eagerly around
+        # the replay, so the captured callable is its forward without them.
+        self.fsdp = _fsdp_role(self.module, self.name) if self.module is not None else None
+        self.copies_params = self.fsdp is not None
+        if self.fsdp == "unit" and self.fn is self.module:
+            self.fn = self.module.forward
+        self._param_copies: dict[int, Tensor] = {}
         policy = group.preparer.buckets
         bound, warn_at = max_graphs, None
         if bound is None and policy is None:
@@ -171,7 +214,7 @@ class GraphedCallable:
         Dropout switched to eval alone changes the graph), every parameter and buffer with its address, and a
         snapshot of each table of submodules, parameters, buffers and hooks, checked at every call."""
         self._submodules = list(self.module.modules()) if self.module is not None else []
-        slots, params, seen = [], [], set()
+        slots, params, seen, checked = [], [], set(), []
         tables = [table for mod in self._submodules for table in _tree_tables(mod)]
         entries = [(table, key, value) for table in tables for key, value in table.items()]
         for mod in self._submodules:
@@ -180,6 +223,9 @@ class GraphedCallable:
                     if t is None:
                         continue
                     slots.append((table, name, t, t.data_ptr()))
+                    # Copied parameters move at every FSDP2 gather: only the buffers' addresses are the graphs'.
+                    if not (is_param and self.copies_params):
+                        checked.append((t, t.data_ptr()))
                     if is_param and id(t) not in seen:
                         seen.add(id(t))
                         params.append(t)
@@ -187,8 +233,9 @@ class GraphedCallable:
         # Checked at every call with C-level maps (a model's tree has hundreds of tables). The snapshot holds the
         # values themselves, so identity means what it meant at capture.
         self._tree = (tables, list(map(len, tables)), *(list(column) for column in zip(*entries, strict=True)))
-        self._tensors = ([t for _, _, t, _ in slots], [ptr for *_, ptr in slots])
+        self._tensors = ([t for t, _ in checked], [ptr for _, ptr in checked])
         self.params = params
+        self._param_copies = {}
         _remove_hooks(self._hooks)
         if not self.forward_only and not handouts.SWAP_DATA_PTR:
             # Without a storage swap, holders are moved one by one: the hook tells the book which tensor
@@ -241,6 +288,16 @@ class GraphedCallable:
         """``(table, name, tensor, data_ptr)`` of every parameter and buffer slot of the module."""
         return self._slots
 
+    def param_copies(self) -> dict[int, Tensor]:
+        """With ``copies_params``: ``id(parameter) -> `` the static copy the graphs read instead (a leaf, of the
+        parameter's class and ``requires_grad``), one per parameter for every signature of this callable."""
+        for p in self.params:
+            copy = self._param_copies.get(id(p))
+            if copy is None or copy.shape != p.shape or copy.dtype != p.dtype or copy.requires_grad != p.requires_grad:
+                self._param_copies[id(p)] = stand_in_leaf(p.detach().clone())
+                self._param_copies[id(p)].requires_grad_(p.requires_grad)
+        return self._param_copies
+
     def trainable_now(self) -> list[Tensor]:
         """The parameters a capture made now trains: those that require grad (none when forward-only)."""
         return [] if self.forward_only else [p for p in self.params if p.requires_grad]
@@ -279,11 +336,27 @@ class GraphedCallable:
         return CallSignature(args_key, kwargs_key, training, autocast, frozen, short_docs), dyn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fsdp == "unit":
+            return call_with_forward(self.module, self._call, *args, **kwargs)
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if self.copies_params:
+            self._check_gathered()
         key, dyn = self.signature(args, kwargs)
         entry = self.cache.get(key)
         if entry is None:
             entry = self._recapture(key, args, kwargs)
         return entry.run(dyn)
+
+    def _check_gathered(self) -> None:
+        sharded = [n for n, p in self.module.named_parameters() if _is_dtensor(p)]
+        if sharded:
+            raise RuntimeError(
+                f"{self.name}: called with its parameters still sharded by FSDP2 ({sharded[0]} is a DTensor): FSDP2 "
+                "gathers them only inside its unit's forward and backward. Call this graphed part inside the forward "
+                "of the FSDP2 unit that holds it, or graph the whole unit (scope 'layer')"
+            )
 
     def _recapture(self, key: CallSignature, args: tuple, kwargs: dict) -> Entry:
         self.cache.check_new(key)
@@ -324,6 +397,8 @@ class GraphedCallable:
         it would have. Raises what the call would (invalid PackedSeqParams, ``on_mismatch="error"``).
         """
         sample = self.buffers.primary(("input", 0))
+        if self.copies_params:  # an FSDP2 unit is captured inside its own forward, where it is gathered
+            return False
         if sample is None or tuple(sample.shape) != tuple(shape) or sample.dtype != dtype:
             return False
         if sample.requires_grad != requires_grad:
@@ -357,6 +432,8 @@ class GraphedCallable:
         """
         stack = self.group.stack()
         if len(stack) < 2 or stack[0] is not self or self.forward_only or not torch.is_grad_enabled():
+            return None
+        if any(g.copies_params for g in stack):  # each FSDP2 unit is gathered at its own call only
             return None
         if any(g.captures != self.captures for g in stack):
             return None
@@ -406,6 +483,12 @@ def _remove_hooks(handles: list[Any]) -> None:
     handles.clear()
 
 
+def _is_dtensor(t: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
@@ -417,6 +500,12 @@ def _tree_tables(mod: nn.Module) -> list[dict]:
 
 DEFAULT_MAX_GRAPHS = 8
 """Cache bound of a callable captured without a bucket policy (with one, the policy bounds the signatures)."""
+
+
+def _module_of(fn: Callable) -> nn.Module | None:
+    """The module whose parameters ``fn`` trains: ``fn`` itself, or a bound method's module."""
+    owner = getattr(fn, "__self__", None)
+    return fn if isinstance(fn, nn.Module) else owner if isinstance(owner, nn.Module) else None
 
 
 def _name_of(fn: Callable) -> str:
@@ -502,8 +591,9 @@ def capture_with(
     """:func:`capture` with an explicit recorder (the protocol is in :mod:`packgraph.graphs.recorder`)."""
     group = _make_group(recorder, validate=validate, buckets=buckets, keep_mamba_fields=keep_mamba_fields, chain=False)
     graphed = GraphedCallable(fn_or_module, group, validate=validate, **options)
-    (entry,) = _capture_stack([graphed], _as_args(sample_args), dict(sample_kwargs or {}))
-    graphed._insert(entry)
+    if not graphed.copies_params:  # FSDP2's parameters are gathered only in its forward: captured at first call
+        (entry,) = _capture_stack([graphed], _as_args(sample_args), dict(sample_kwargs or {}))
+        graphed._insert(entry)
     return graphed
 
 
@@ -522,11 +612,18 @@ def capture_layers_with(
     """:func:`capture_layers` with an explicit recorder."""
     if not layers:
         raise ValueError("capture_layers needs at least one layer")
-    group = _make_group(recorder, validate=validate, buckets=buckets, keep_mamba_fields=keep_mamba_fields, chain=chain)
+    # FSDP2 gathers a unit's parameters only inside its own forward: each layer is then captured at its first call
+    # and copies its input (a stack captured at once would need every unit gathered together).
+    sharded = any(_fsdp_role(m, _name_of(layer)) for layer in layers if (m := _module_of(layer)) is not None)
+    group = _make_group(
+        recorder, validate=validate, buckets=buckets, keep_mamba_fields=keep_mamba_fields, chain=chain and not sharded
+    )
     graphed = [
         GraphedCallable(layer, group, validate=validate, name=f"layer[{k}] {_name_of(layer)}", **options)
         for k, layer in enumerate(layers)
     ]
+    if sharded:
+        return graphed
     for g, entry in zip(
         graphed, _capture_stack(graphed, _as_args(sample_args), dict(sample_kwargs or {})), strict=True
     ):

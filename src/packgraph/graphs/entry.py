@@ -68,8 +68,12 @@ class Owner(Protocol):
     num_warmup_iters: int
     share_activations: bool
     recompute: bool
+    copies_params: bool  # FSDP2: the graphs read static copies of the parameters, refreshed at each call
+    params: list[Tensor]
 
     def trainable_now(self) -> list[Tensor]: ...
+
+    def param_copies(self) -> dict[int, Tensor]: ...
 
     def param_slots(self) -> list[tuple[dict, str, Tensor, int]]: ...
 
@@ -88,6 +92,13 @@ class Entry:
         self.trainable: list[Tensor] = owner.trainable_now()
         # warm-up and capture train these instead of the parameters (packgraph.graphs.stand_ins says why)
         self.stand_ins = [stand_in_leaf(p) for p in self.trainable]
+        self.replaced = dict(zip(map(id, self.trainable), self.stand_ins, strict=True))
+        # FSDP2: every parameter is read from a static copy, refreshed by each call's load (GraphedCallable)
+        self.param_loads: list[tuple[Tensor, Tensor]] = []
+        if owner.copies_params:
+            self.replaced = owner.param_copies()
+            self.stand_ins = [self.replaced[id(p)] for p in self.trainable]
+            self.param_loads = [(p, self.replaced[id(p)]) for p in owner.params]
         recorder = owner.group.recorder
         # A capture gets a pool of its own when it is made while a graph with freed activations is in flight (the
         # group's pool may hand it that graph's activations), or ``apart``: when graphs captured before it may
@@ -153,7 +164,7 @@ class Entry:
         return self._run_fn()
 
     def _run_fn(self) -> Any:
-        with parameters_replaced(self.owner, dict(zip(map(id, self.trainable), self.stand_ins, strict=True))):
+        with parameters_replaced(self.owner, self.replaced):
             return self.owner.fn(*self.static_args, **self.static_kwargs)
 
     def _grad_targets(self) -> list[Tensor]:
@@ -426,6 +437,12 @@ class Entry:
 
     def load(self, dyn: list) -> None:
         keep_versions = self.trains and self.bwd_graph is None
+        for param, copy in self.param_loads:
+            if param.data_ptr() != copy.data_ptr():
+                # Refilling a copy is what it is for; autograd's version check of a late backward capture guards
+                # against other writes.
+                with torch.no_grad(), preserve_version(copy):
+                    copy.copy_(param)
         for i, j, buf, ptr in self.load_plan:
             src = dyn[i] if j < 0 else dyn[i].tensors[j]
             if src.data_ptr() != ptr:

@@ -327,6 +327,13 @@ class GPT(nn.Module):
         )
 
 
+def _in_unit(module: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``; inside ``module``'s hooks when it is an FSDP2 unit, which gather its parameters for ``fn``."""
+    from packgraph.graphs.capture import call_with_forward, is_fsdp_unit
+
+    return call_with_forward(module, fn, *args) if is_fsdp_unit(module) else fn(*args)
+
+
 def logprobs_of_labels(logits: Tensor, labels: Tensor) -> Tensor:
     """float32 ``[T]`` log-softmax of each row's label, 0 where ``labels == -100``."""
     logp = torch.log_softmax(logits.to(_at_least_fp32(logits.dtype)), dim=-1)
@@ -462,7 +469,9 @@ class GraphedGPT(nn.Module):
         from packgraph.graphs.streams import on_graph_stream
 
         graphed = self._graphs(tokens.shape[0], params)
-        return on_graph_stream(graphed[0], fn, tokens, params, *rest)
+        # An FSDP2 root's hooks gather the embedding and head, and queue the end-of-backward reduction, around
+        # the call, as they do around model(...)
+        return on_graph_stream(graphed[0], _in_unit, self.model, fn, tokens, params, *rest)
 
     def forward_hidden(self, tokens: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
         """Like :meth:`GPT.forward_hidden`; the block stack (or the scope's half of it) replays graphs."""
@@ -484,9 +493,9 @@ class GraphedGPT(nn.Module):
             if self.scope == "layer":
                 x = graphed[i](x, packed_seq_params)
             elif self.scope == "attn":
-                x = block.mlp(graphed[i](x, packed_seq_params))
+                x = _in_unit(block, lambda h, p, g=graphed[i], b=block: b.mlp(g(h, p)), x, packed_seq_params)
             else:
-                x = graphed[i](block.attn(x, packed_seq_params))
+                x = _in_unit(block, lambda h, p, g=graphed[i], b=block: g(b.attn(h, p)), x, packed_seq_params)
         return x
 
     def forward(
