@@ -109,3 +109,55 @@ def test_ddp_over_graphed_layers_equals_one_process_on_the_union(backend, world,
         worst = json.loads(Path(tmp, "rank0.json").read_text())
     for label, err in worst.items():
         report(f"DDP {backend} world {world}, {label}: worst rel param diff vs one process", f"{err:.2e}")
+
+
+def _fsdp2_worker(rank: int, world: int, init: str, out: str) -> None:
+    """FSDP2 units (each block and the model) with graphed layers in every scope but ``model``, against the same
+    union reference: the graphs read copies of FSDP2's gathered parameters (docs/distributed.md)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from packgraph.distributed import global_token_count, shard_batches
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=world)
+    worst: dict[str, float] = {}
+    try:
+        batches = _batches(STEPS * world * MICRO)
+        want = _reference(batches, world)
+        for label, scope in [("eager", None), ("layer", "layer"), ("attn", "attn"), ("mlp", "mlp")]:
+            model = _model()
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            runner = model.graphed(scope=scope) if scope else model
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            worst[label] = 0.0
+            for s in range(STEPS):
+                step = batches[s * world * MICRO : (s + 1) * world * MICRO]
+                mine = [b.to("cuda") for b in shard_batches(step, rank, world)]
+                count = global_token_count(sum(b.num_real_tokens for b in mine), device="cuda")
+                opt.zero_grad(set_to_none=True)
+                for b in mine:
+                    _, loss = runner(b)
+                    (loss * (b.num_real_tokens * world / count)).backward()  # FSDP2 averages its reduce-scatter
+                opt.step()
+                for n, p in model.named_parameters():
+                    full = p.full_tensor().detach()
+                    err = ((full - want[s][n]).abs().max() / want[s][n].abs().max()).item()
+                    worst[label] = max(worst[label], err)
+                    where = f"FSDP2 {label} step {s} {n}"
+                    torch.testing.assert_close(full, want[s][n], **TOL, msg=lambda m, w=where: f"{w}: {m}")
+            if scope:
+                assert [g.captures for g in runner.callables] == [1] * len(model.blocks), label
+            del runner, model
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(worst))
+        dist.destroy_process_group()
+
+
+def test_fsdp2_over_graphed_layers_equals_one_process_on_the_union(report):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_fsdp2_worker, args=(1, os.path.join(tmp, "init"), tmp), nprocs=1, start_method="spawn")
+        worst = json.loads(Path(tmp, "rank0.json").read_text())
+    for label, err in worst.items():
+        report(f"FSDP2 nccl world 1, {label}: worst rel param diff vs one process", f"{err:.2e}")
