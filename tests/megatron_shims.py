@@ -8,8 +8,10 @@ Megatron-Core assumes CUDA in a few places that a CPU test reaches:
 * the RNG tracker (``get_cuda_rng_tracker().fork()``) keeps CUDA generator states.
 
 :func:`megatron_on_cpu` patches exactly these for the duration of a ``with`` block (the tests use it in a
-module-scoped fixture) and sets up a one-rank gloo process group with model parallel sizes 1. Dropout is off in
-every test model, so the RNG tracker's ``fork`` can be a no-op.
+module-scoped fixture) and sets up a one-rank gloo process group with model parallel sizes 1 (Megatron's groups on
+the default group when one exists, as in a forked rank). On exit it frees every group Megatron still holds, so that
+no process forked later inherits one. Dropout is off in every test model, so the RNG tracker's ``fork`` can be a
+no-op.
 
 Also the tiny models the Megatron tests share: :func:`tiny_config`, :func:`gpt_model`, :func:`hybrid_model` (with
 :class:`StandInMixer` for the Mamba layers, whose kernels need CUDA), and the packed forward/loss helpers.
@@ -18,6 +20,7 @@ Also the tiny models the Megatron tests share: :func:`tiny_config`, :func:`gpt_m
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 from collections.abc import Iterator
 
@@ -84,6 +87,23 @@ def megatron_on_cpu() -> Iterator[None]:
             parallel_state.destroy_model_parallel()
             if started_group:
                 torch.distributed.destroy_process_group()
+            _drop_process_groups(parallel_state)
+
+
+def _drop_process_groups(parallel_state) -> None:
+    """Free every process group Megatron still references, here and now.
+
+    A gloo group's destructor joins its worker threads, which a forked process does not have: a group that
+    outlives this block and is freed in a process forked later (the multi-rank tests fork their ranks) hangs or
+    crashes it there. Megatron-Core 0.16's ``destroy_model_parallel`` leaves two of its globals set
+    (``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its ``_GLOO`` twin), which a forked rank's
+    ``initialize_model_parallel`` overwrites; and Megatron's modules hold groups too, often from reference
+    cycles that only the cycle collector frees.
+    """
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, torch.distributed.ProcessGroup):
+            setattr(parallel_state, name, None)
+    gc.collect()
 
 
 # ---------------------------------------------------------------------------------------------------- tiny models

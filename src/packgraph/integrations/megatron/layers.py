@@ -166,7 +166,8 @@ def graph_transformer_layers(
 
     Raises:
         ValueError: unknown scope, no layers, layers already graphed. NotImplementedError: activation
-            recomputation, Megatron's own CUDA graphs on, context parallel size > 1.
+            recomputation, Megatron's own CUDA graphs on, ``gradient_accumulation_fusion``, context parallel
+            size > 1.
     """
     if scope not in SCOPES:
         raise ValueError(f"graph_transformer_layers: scope must be one of {SCOPES}, got {scope!r}")
@@ -319,6 +320,15 @@ def _check_model(model: nn.Module, layers: Sequence[nn.Module]) -> None:
         raise NotImplementedError(
             f"graph_transformer_layers: Megatron's own CUDA graphs are on (cuda_graph_impl={impl!r}, "
             f"enable_cuda_graph={getattr(config, 'enable_cuda_graph', False)}); turn them off to use packgraph's"
+        )
+    if getattr(config, "gradient_accumulation_fusion", False):
+        # The fused wgrad GEMM adds into param.main_grad inside the layer's backward, so inside the graph: it
+        # reads main_grad off the parameter the capture runs on (the engine's stand-in, which has none), adds into
+        # the real buffer at every warm-up, and sets grad_added_to_main_grad, a Python flag no replay sets again.
+        raise NotImplementedError(
+            "graph_transformer_layers: gradient_accumulation_fusion=True adds weight grads into main_grad inside "
+            "the graphed backward, which the graphs do not support; set it to False (Megatron's "
+            "DistributedDataParallel then adds the grads into main_grad from its hooks)"
         )
     cp = getattr(config, "context_parallel_size", 1) or 1
     if cp > 1:
