@@ -48,6 +48,7 @@ from packgraph.bench.methods import CUDA_ONLY_METHODS, make_method
 from packgraph.bench.options import build_parser, resolve
 from packgraph.bench.presets import ladder_policy
 from packgraph.bench.report import RECORD_FIELDS, derive, record_key, results_markdown, results_table
+from packgraph.graphs.streams import loop_stream
 from packgraph.models.gpt import GPT, GPTConfig
 
 __all__ = ["main", "publish_report", "run_bench", "save"]
@@ -217,10 +218,17 @@ def _run_one(model_name, T, mix, method, stream, policy, cfg, device, run) -> di
     if method in CUDA_ONLY_METHODS and device.type != "cuda":
         skipped = _error_record(model_name, T, mix, method, device, "needs CUDA (no CUDA device here)", run)
         return skipped | {"status": "skipped"}
-    model = bench_method = None
     # Blocks an earlier unit left (the attention sweep's, the last method's graphs and pools) would count in this
     # method's reserved peak: each method starts from an empty cache.
     release(device)
+    # Each method runs on one stream of its own, eager code and graphs alike: the graphs' cuBLAS workspaces are
+    # then the eager code's, as in packgraph's trainers (packgraph.graphs.streams).
+    with loop_stream(device):
+        return _measure_one(model_name, T, mix, method, stream, policy, cfg, device, run)
+
+
+def _measure_one(model_name, T, mix, method, stream, policy, cfg, device, run) -> dict[str, Any]:
+    model = bench_method = None
     try:
         torch.manual_seed(cfg["seed"])
         with torch.device(device):  # initialise on the device: the same weights for every method

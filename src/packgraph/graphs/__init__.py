@@ -4,7 +4,7 @@
 * :class:`GraphSignatureError`: a call does not match its graph's static signature (``on_mismatch="error"``).
 * :class:`GraphOrderError`: a replay would overwrite memory a pending backward still needs.
 * :func:`find_host_syncs` / :class:`HostSync`: what stops a callable from being captured, line by line.
-* :func:`on_graph_stream`: eager code around graphed layers on their capture stream (shared cuBLAS workspaces).
+* :func:`loop_stream`: a training loop on one non-default stream (graphs and eager code share cuBLAS workspaces).
 * :func:`use_recorder`: the test seam (record with a CPU stand-in instead of CUDA graphs).
 """
 
@@ -13,7 +13,7 @@ from packgraph.graphs.capture import GraphedCallable, capture, capture_layers
 from packgraph.graphs.order import GraphOrderError
 from packgraph.graphs.recorder import use_recorder
 from packgraph.graphs.safety import GraphCaptureError, HostSync, find_host_syncs
-from packgraph.graphs.streams import on_graph_stream
+from packgraph.graphs.streams import loop_stream
 
 __all__ = [
     "capture",
@@ -25,5 +25,5 @@ __all__ = [
     "find_host_syncs",
     "HostSync",
     "use_recorder",
-    "on_graph_stream",
+    "loop_stream",
 ]

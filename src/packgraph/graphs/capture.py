@@ -41,10 +41,11 @@ Other rules:
   so captures follow the order the graphs run in. In a chained stack, a training call's new signature is captured
   for every layer at the first layer's call, forwards then backwards, as :func:`capture_layers` does at first.
 * **Threads and streams.** A capture group is single-threaded: call its graphs from one thread. Replays run on the
-  current stream; :func:`~packgraph.graphs.streams.on_graph_stream` makes that the capture stream for the eager
-  code around them (what ``GraphedGPT`` and ``PackgraphTrainer`` do), so its matmuls share the graphs' cuBLAS
-  workspaces. Every capture synchronises the device first, so memory a released graph gave back to the pool is
-  reused only once all streams are done with it.
+  current stream, in its order with the eager code around them; nothing is moved to another stream. Graphs are
+  recorded on the caller's stream, or on a side stream when the caller is on the default stream (CUDA cannot
+  capture there), which then holds cuBLAS workspaces of its own: run the loop on one non-default stream, as
+  packgraph's trainers and benchmark do, for eager's workspaces only. Every capture synchronises the device first,
+  so memory a released graph gave back to the pool is reused only once all streams are done with it.
 * **RNG.** Dropout draws fresh masks at every replay (torch registers the default CUDA generator with each
   capture and advances its offset per replay); the backward graph reads the masks the forward saved. Other
   generators must be registered by the caller (``CUDAGraph.register_generator_state``).

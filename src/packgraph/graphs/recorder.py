@@ -89,7 +89,8 @@ def recorder_for(pool: Any, sample_args: Any, who: str) -> Any:
 
 
 class CudaRecorder:
-    """Warms up and records CUDA graphs on one side stream into one memory pool (``pool``).
+    """Warms up and records CUDA graphs on one stream (the caller's, or a side stream when the caller is on the
+    default stream) into one memory pool (``pool``).
 
     Warm-up runs allocate from the pool too (where torch exposes the allocator's pool routing): an eager warm-up
     before a capture then reuses the memory that the graphs' temporaries and freed activations occupy instead of
@@ -104,7 +105,13 @@ class CudaRecorder:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         # Another capture group may allocate in a pool the caller passed, where this group's handouts are not seen.
         self.shares_pool = pool is not None
-        self.stream = torch.cuda.Stream(self.device)
+        # Graphs replay on the stream of each call. They are recorded on the caller's stream too, unless it is the
+        # default stream, on which CUDA cannot capture: a side stream records them there, and every warm-up and
+        # capture synchronises the device, so it adds no order to keep. A loop run on one non-default stream
+        # (packgraph's trainers and benchmark) thus runs its eager kernels, records and replays on one stream, and
+        # its matmuls share the graphs' cuBLAS workspaces (cuBLAS keeps one per thread and stream).
+        current = torch.cuda.current_stream(self.device)
+        self.stream = current if current != torch.cuda.default_stream(self.device) else torch.cuda.Stream(self.device)
         self._held: set[Any] = set()
 
     def check_input(self, t: Tensor) -> None:

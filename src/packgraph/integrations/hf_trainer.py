@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError("packgraph.integrations.hf_trainer needs Hugging Face transformers (and accelerate)") from exc
 
 from packgraph.buckets import BucketPolicy, default_buckets
-from packgraph.graphs.streams import on_graph_stream
+from packgraph.graphs.streams import loop_stream
 from packgraph.integrations.hf import ATTENTION_NAME, GraphedDecoderLayers, _resolve_scope, graph_decoder_layers
 from packgraph.packing import IGNORE_INDEX, PackedBatch, Packing, pack_sequences
 from packgraph.params import PackedSeqParams
@@ -318,6 +318,12 @@ class PackgraphTrainerMixin:
             loader_config.dispatch_batches = False
 
     # -------------------------------------------------------------------------------- Trainer hooks
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        # The whole loop on one non-default CUDA stream: the graphs are recorded on it, and the eager embedding,
+        # head, loss and optimizer share their cuBLAS workspaces (packgraph.graphs.streams).
+        with loop_stream(self.args.device):
+            return super().train(*args, **kwargs)
+
     def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Tensor:
         if self.packgraph_graphs and self.packgraph_layers is None:
             self._capture_decoder_layers(inputs)
@@ -327,12 +333,7 @@ class PackgraphTrainerMixin:
         check_packed_inputs(inputs)
         if self.packgraph_buckets is not None and self._packgraph_total_tokens is not None:
             self._check_static(inputs)
-        layers = self.packgraph_layers
-        if layers is None or not layers.graphed:
-            return super().compute_loss(model, inputs, *args, **kwargs)
-        # The embedding, head and loss run on the graphs' capture stream, where their matmuls share the graphs'
-        # cuBLAS workspaces instead of holding two more (packgraph.graphs.streams).
-        return on_graph_stream(layers.graphed[0], super().compute_loss, model, inputs, *args, **kwargs)
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
     def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
         # Evaluation runs the layers eagerly: its no-grad forwards would otherwise each need graphs of their own.

@@ -463,21 +463,17 @@ class GraphedGPT(nn.Module):
         return self._graphed
 
     # ------------------------------------------------------------------ forward
-    def _on_graph_stream(self, fn: Callable[..., Any], tokens: Tensor, params: PackedSeqParams, *rest: Any) -> Any:
-        """``fn(tokens, params, *rest)`` on the graphs' capture stream: the head's matmuls (and an eager half's)
-        then share the graphs' cuBLAS workspaces instead of holding two more (:mod:`packgraph.graphs.streams`)."""
-        from packgraph.graphs.streams import on_graph_stream
-
-        graphed = self._graphs(tokens.shape[0], params)
-        # An FSDP2 root's hooks gather the embedding and head, and queue the end-of-backward reduction, around
-        # the call, as they do around model(...)
-        return on_graph_stream(graphed[0], _in_unit, self.model, fn, tokens, params, *rest)
+    def _call(self, fn: Callable[..., Any], tokens: Tensor, params: PackedSeqParams, *rest: Any) -> Any:
+        """``fn(tokens, params, *rest)`` once the graphs exist. An FSDP2 root's hooks gather the embedding and head,
+        and queue the end-of-backward reduction, around the call, as they do around ``model(...)``."""
+        self._graphs(tokens.shape[0], params)
+        return _in_unit(self.model, fn, tokens, params, *rest)
 
     def forward_hidden(self, tokens: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
         """Like :meth:`GPT.forward_hidden`; the block stack (or the scope's half of it) replays graphs."""
         if self.scope == "model":
             raise RuntimeError("scope 'model' graphs the whole loss; forward_hidden is not available there")
-        return self._on_graph_stream(self._hidden, tokens, packed_seq_params)
+        return self._call(self._hidden, tokens, packed_seq_params)
 
     def _hidden(self, tokens: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
         graphed = self._graphs(tokens.shape[0], packed_seq_params)
@@ -513,7 +509,7 @@ class GraphedGPT(nn.Module):
             if loss_mask is None:
                 loss_mask = (labels != IGNORE_INDEX).float()
             return None, self._graphs(tokens.shape[0], params)[0](tokens, labels, loss_mask, params)
-        return self._on_graph_stream(self._logits_or_loss, tokens, params, labels, loss_mask)
+        return self._call(self._logits_or_loss, tokens, params, labels, loss_mask)
 
     def _logits_or_loss(
         self, tokens: Tensor, params: PackedSeqParams, labels: Tensor | None, loss_mask: Tensor | None
@@ -536,7 +532,7 @@ class GraphedGPT(nn.Module):
             if not self.forward_only:
                 raise RuntimeError("scope 'model' logprobs need a forward_only=True wrapper")
             return self._graphs(tokens.shape[0], params)[0](tokens, labels, params)
-        return self._on_graph_stream(self._logprobs, tokens, params, labels)
+        return self._call(self._logprobs, tokens, params, labels)
 
     def _logprobs(self, tokens: Tensor, params: PackedSeqParams, labels: Tensor) -> Tensor:
         return logprobs_of_labels(self.model.logits_from_hidden(self._hidden(tokens, params)), labels)

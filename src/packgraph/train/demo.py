@@ -41,6 +41,7 @@ import torch
 from packgraph.data.corpus import corpus_stats
 from packgraph.data.stream import DataStream, corpus_documents
 from packgraph.graphs.recorder import stand_in
+from packgraph.graphs.streams import loop_stream
 from packgraph.packing import pack_sequences
 from packgraph.train.config import TrainConfig, default_out_dir, resolve_device
 from packgraph.train.demo_report import DemoRun, Echo, method_figures, plot_demo, print_report, step_timing
@@ -173,27 +174,29 @@ def _train_all(
     each under ``profile`` (which must step the trainer to its end and return a ``KernelProfile``), and finish it.
     """
     trainers: dict[str, Trainer] = {}
-    try:
-        for run in runs:
-            t0 = time.perf_counter()
-            trainer = trainers[run.name] = Trainer(run.cfg, echo=None, documents=docs)
-            stop = window_start if run.timed else run.cfg.steps
-            while trainer.step_index < stop:
-                trainer.step()
-            echo(f"  {run.label:<14} steps 1-{stop} in {time.perf_counter() - t0:.1f} s")
-        if profile is not None and window_start < runs[0].cfg.steps:
-            echo(f"  profiling steps {window_start + 1}-{runs[0].cfg.steps} of each run (torch.profiler, kernels)")
-        for run in runs:
-            trainer = trainers[run.name]
-            if not trainer.done and profile is not None:
-                run.busy = profile(trainer)
-            while not trainer.done:
-                trainer.step()
-            run.result = trainer.finish()
-            run.rows = list(trainer.rows)
-    finally:
-        for trainer in trainers.values():
-            trainer.close()
+    # One stream for every run: the graphs' cuBLAS workspaces are the eager code's (packgraph.graphs.streams).
+    with loop_stream(resolve_device(runs[0].cfg.device)):
+        try:
+            for run in runs:
+                t0 = time.perf_counter()
+                trainer = trainers[run.name] = Trainer(run.cfg, echo=None, documents=docs)
+                stop = window_start if run.timed else run.cfg.steps
+                while trainer.step_index < stop:
+                    trainer.step()
+                echo(f"  {run.label:<14} steps 1-{stop} in {time.perf_counter() - t0:.1f} s")
+            if profile is not None and window_start < runs[0].cfg.steps:
+                echo(f"  profiling steps {window_start + 1}-{runs[0].cfg.steps} of each run (torch.profiler, kernels)")
+            for run in runs:
+                trainer = trainers[run.name]
+                if not trainer.done and profile is not None:
+                    run.busy = profile(trainer)
+                while not trainer.done:
+                    trainer.step()
+                run.result = trainer.finish()
+                run.rows = list(trainer.rows)
+        finally:
+            for trainer in trainers.values():
+                trainer.close()
 
 
 def _profile(trainer: Trainer) -> Any:

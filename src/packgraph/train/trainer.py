@@ -24,6 +24,7 @@ from torch import Tensor
 
 from packgraph.data.stream import DataStream, corpus_documents
 from packgraph.graphs.recorder import stand_in
+from packgraph.graphs.streams import loop_stream
 from packgraph.models.gpt import GPT
 from packgraph.packing import PackedBatch
 from packgraph.train.checkpoint import (
@@ -484,7 +485,8 @@ def train(
         ValueError: bad config (including graphs requested without CUDA).
         FileNotFoundError: ``resume`` names no checkpoint.
     """
-    with deterministic_kernels(cfg.deterministic):
+    # One stream for the whole run: the graphs' cuBLAS workspaces are the eager code's (packgraph.graphs.streams).
+    with deterministic_kernels(cfg.deterministic), loop_stream(resolve_device(cfg.device)):
         trainer = Trainer(cfg, echo=echo, prepare_out_dir=prepare_out_dir)
         try:
             while not trainer.done:

@@ -1,0 +1,105 @@
+"""Graphed training on a GPU that another process keeps busy: the losses stay eager's, bit for bit.
+
+A busy GPU runs each kernel late, so the host queues steps far ahead of it, and any work that reads memory before
+another stream has written it reads it early. That is how a design that ran the eager code around graphed layers
+on the graphs' capture stream failed: with the GPU shared, graphed losses turned NaN within a few steps, while
+alone they were eager's bit for bit. Graphs now replay on the caller's stream, and packgraph's loops run on one
+stream (packgraph.graphs.streams). Both paths run here with a second process saturating the GPU with matmuls: the
+demo (``packgraph train``'s loop, on a loop stream) and a plain loop on the default stream (graphs recorded on a
+side stream, replayed on the caller's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from packgraph.buckets import default_buckets
+from packgraph.models.gpt import GPT, GPTConfig
+from packgraph.packing import PackedBatch
+from packgraph.train import deterministic_kernels
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+_HOG = """
+import time, torch
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+print("busy", flush=True)
+end = time.time() + 300
+while time.time() < end:
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize()
+"""
+
+
+@contextlib.contextmanager
+def _busy_gpu():
+    hog = subprocess.Popen([sys.executable, "-c", _HOG], stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout.readline().strip() == "busy"
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def test_demo_losses_stay_bitwise_equal_on_a_shared_gpu(tmp_path, report):
+    out = tmp_path / "demo"
+    argv = ["demo", "--device", "cuda", "--preset", "tiny", "--T", "1024", "--max-docs", "40", "--steps", "30"]
+    argv += ["--scopes", "layer,model", "--out-dir", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+    with _busy_gpu():
+        done = subprocess.run(
+            [sys.executable, "-m", "packgraph.cli", *argv], capture_output=True, text=True, env=env, timeout=300
+        )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    methods = json.loads((out / "demo.json").read_text())["methods"]
+    eager = methods["eager"]["losses"]
+    for name in ("graphed-layer", "graphed-model"):
+        equal = sum(a == b for a, b in zip(methods[name]["losses"], eager, strict=True))
+        report(f"shared GPU: demo {name} bitwise-equal steps", f"{equal}/{len(eager)}")
+        assert methods[name]["losses"] == eager, name
+
+
+def _batches(n: int, T: int = 1024) -> list[PackedBatch]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [[300, 200, 100], [1000], [64] * 12, [500, 400, 20], [128] * 6, [900, 90]]
+    out = []
+    for lengths in (shapes * n)[:n]:
+        docs = [torch.randint(0, 256, (k,), generator=gen) for k in lengths]
+        out.append(PackedBatch.from_documents(docs, bin_size=T, capacity=16, pad_id=0).to("cuda"))
+    return out
+
+
+def _losses(graphed: bool, scope: str, batches: list[PackedBatch]) -> list[float]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, d_model=256, n_layer=4, n_head=4)).cuda()
+    runner = model.graphed(scope=scope, buckets=default_buckets(1024)) if graphed else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for batch in batches:  # the default stream, no sync until the end: the host runs ahead of the busy GPU
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = runner(batch)[1]
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses).tolist()
+
+
+@pytest.mark.parametrize("scope", ["layer", "attn"])
+def test_a_loop_on_the_default_stream_stays_bitwise_equal_on_a_shared_gpu(scope, report):
+    batches = _batches(24)
+    with deterministic_kernels(True), _busy_gpu():
+        eager = _losses(False, scope, batches)
+        graphed = _losses(True, scope, batches)
+    equal = sum(a == b for a, b in zip(graphed, eager, strict=True))
+    report(f"shared GPU: default-stream loop, scope {scope}, bitwise-equal steps", f"{equal}/{len(eager)}")
+    assert graphed == eager
