@@ -94,11 +94,13 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------- public
-def _fsdp_role(module: nn.Module, name: str) -> str | None:
+def _fsdp_role(module: nn.Module, name: str, inside_units: bool = False) -> str | None:
     """How FSDP2 (``fully_shard``) holds ``module``'s parameters: ``"unit"`` (the module is an FSDP2 unit),
     ``"part"`` (a submodule of a unit: DTensor parameters, gathered only inside the unit's forward and backward) or
     None. A module holding units below it is refused with ``NotImplementedError``: their hooks gather and free
-    parameters inside what a graph of it would replay."""
+    parameters inside what a graph of it would replay. Unless ``inside_units``: the callable then runs inside the
+    units' forwards, calling what they hold without their hooks (an adapter that calls a unit's original forward
+    from within the unit's own call), and is a part too."""
     if not torch.distributed.is_available():
         return None
     try:
@@ -107,6 +109,8 @@ def _fsdp_role(module: nn.Module, name: str) -> str | None:
     except ImportError:  # a torch without these has no FSDP2
         return None
     inner = [m for m in module.modules() if isinstance(m, FSDPModule) and m is not module]
+    if inner and inside_units:
+        return "part"
     if inner:
         raise NotImplementedError(
             f"{name}: it holds FSDP2 units (fully_shard) below it, whose hooks gather their parameters into new "
@@ -165,6 +169,7 @@ class GraphedCallable:
         validate: str = "host",
         share_activations: bool = True,
         recompute: bool = False,
+        inside_fsdp_units: bool = False,
         name: str | None = None,
     ) -> None:
         if num_warmup_iters < 1:
@@ -176,7 +181,7 @@ class GraphedCallable:
         # Under FSDP2 the parameters are gathered into new storage for each forward and backward: the graphs read
         # copies of them, refreshed at every call (Entry.load), and an FSDP2 unit's own hooks run eagerly around
         # the replay, so the captured callable is its forward without them.
-        self.fsdp = _fsdp_role(self.module, self.name) if self.module is not None else None
+        self.fsdp = _fsdp_role(self.module, self.name, inside_fsdp_units) if self.module is not None else None
         self.copies_params = self.fsdp is not None
         if self.fsdp == "unit" and self.fn is self.module:
             self.fn = self.module.forward
@@ -615,7 +620,8 @@ def capture_layers_with(
         raise ValueError("capture_layers needs at least one layer")
     # FSDP2 gathers a unit's parameters only inside its own forward: each layer is then captured at its first call
     # and copies its input (a stack captured at once would need every unit gathered together).
-    sharded = any(_fsdp_role(m, _name_of(layer)) for layer in layers if (m := _module_of(layer)) is not None)
+    inside = options.get("inside_fsdp_units", False)
+    sharded = any(_fsdp_role(m, _name_of(layer), inside) for layer in layers if (m := _module_of(layer)) is not None)
     group = _make_group(
         recorder, validate=validate, buckets=buckets, keep_mamba_fields=keep_mamba_fields, chain=chain and not sharded
     )

@@ -412,6 +412,7 @@ def graph_decoder_layers(
             instead), or draws random numbers under gradient checkpointing.
     """
     from packgraph.graphs import capture_layers
+    from packgraph.graphs.capture import is_fsdp_unit
 
     scope = _resolve_scope(scope)
 
@@ -420,6 +421,10 @@ def graph_decoder_layers(
         # half sits between two graphs, so each graph copies its input.
         opts = dict(capture_opts, forward_only=forward_only, chain=scope == "layer")
         opts.setdefault("recompute", recompute)
+        if any(is_fsdp_unit(a.target) for a in adapters):
+            # FSDP2 units as targets: their hooks run around the graphed forward installed on them, and the adapter
+            # calls their original forward within (packgraph.graphs.capture, FSDP2)
+            opts["inside_fsdp_units"] = True
         if buckets is not None:
             opts["buckets"] = buckets
         return capture_layers(adapters, sample_args, **opts)
@@ -596,7 +601,12 @@ def _sample_args(decoder: nn.Module, sample_batch: Any, *, scope: str, requires_
     batch = sample_batch.to(device)
     with torch.no_grad():
         embed = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else decoder.embed_tokens
-        hidden = embed(batch.tokens.view(1, -1))
+        weight = embed.weight
+        if type(weight).__name__ == "DTensor":
+            # FSDP2 gathers the embedding only inside the root's forward; a capture depends on shapes, not values
+            hidden = torch.zeros(1, batch.tokens.numel(), weight.shape[-1], dtype=weight.dtype, device=device)
+        else:
+            hidden = embed(batch.tokens.view(1, -1))
         if not hasattr(decoder, "rotary_emb"):
             raise ValueError(f"{type(decoder).__name__} has no rotary_emb: only RoPE decoders are supported")
         rotary = {}
