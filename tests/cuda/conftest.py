@@ -30,3 +30,17 @@ def _cuda_seed():
     if torch.cuda.is_available():
         torch.manual_seed(0)
         torch.cuda.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _loop_stream(request):
+    """Each test runs on a loop stream of its own, as packgraph's trainers run (packgraph.graphs.streams): chained
+    stacks replay only on the stream they were recorded on. A test marked ``default_stream`` runs on the default
+    stream instead."""
+    if not torch.cuda.is_available() or request.node.get_closest_marker("default_stream"):
+        yield
+        return
+    from packgraph.graphs import loop_stream
+
+    with loop_stream("cuda"):
+        yield

@@ -65,6 +65,13 @@ def _reference(batches, world):
 
 
 def _worker(rank: int, world: int, backend: str, init: str, out: str) -> None:
+    from packgraph.graphs import loop_stream
+
+    with loop_stream("cuda:0"):  # a chained stack replays only on the stream it was recorded on
+        _ddp_worker(rank, world, backend, init, out)
+
+
+def _ddp_worker(rank: int, world: int, backend: str, init: str, out: str) -> None:
     from packgraph.distributed import global_token_count, shard_batches, summing_ddp
 
     torch.cuda.set_device(0)

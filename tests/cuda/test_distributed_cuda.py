@@ -65,7 +65,17 @@ def _init(rank: int, world: int, tmp: str) -> torch.device:
 
 
 def _start(fn, tmp: str) -> None:
-    mp.start_processes(fn, args=(WORLD, tmp), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_on_loop_stream, args=(WORLD, tmp, fn), nprocs=WORLD, start_method="spawn")
+
+
+def _on_loop_stream(rank: int, world: int, tmp: str, fn) -> None:
+    """``fn(rank, world, tmp)`` on a loop stream of this rank's GPU: chained stacks replay only on the stream they
+    were recorded on (packgraph.graphs.streams)."""
+    from packgraph.graphs import loop_stream
+
+    torch.cuda.set_device(rank)
+    with loop_stream(torch.device("cuda", rank)):
+        fn(rank, world, tmp)
 
 
 def _results(tmp: str, name: str) -> list[dict]:

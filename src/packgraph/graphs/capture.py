@@ -44,7 +44,8 @@ Other rules:
   current stream, in its order with the eager code around them; nothing is moved to another stream. Graphs are
   recorded on the caller's stream, or on a side stream when the caller is on the default stream (CUDA cannot
   capture there), which then holds cuBLAS workspaces of its own: run the loop on one non-default stream, as
-  packgraph's trainers and benchmark do, for eager's workspaces only. Every capture synchronises the device first,
+  packgraph's trainers and benchmark do, for eager's workspaces only. A chained stack replays only on the stream
+  it was recorded on, and raises otherwise (docs/streams.md says why). Every capture synchronises the device first,
   so memory a released graph gave back to the pool is reused only once all streams are done with it.
 * **RNG.** Dropout draws fresh masks at every replay (torch registers the default CUDA generator with each
   capture and advances its offset per replay); the backward graph reads the masks the forward saved. Other
@@ -186,6 +187,9 @@ class GraphedCallable:
         if self.fsdp == "unit" and self.fn is self.module:
             self.fn = self.module.forward
         self._param_copies: dict[int, Tensor] = {}
+        # A chained stack replays only on the CUDA stream it was recorded on (_check_stream).
+        stream = getattr(group.recorder, "stream", None)
+        self._recorded_on = stream if group.chain and isinstance(stream, torch.cuda.Stream) else None
         policy = group.preparer.buckets
         bound, warn_at = max_graphs, None
         if bound is None and policy is None:
@@ -349,11 +353,25 @@ class GraphedCallable:
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if self.copies_params:
             self._check_gathered()
+        if self._recorded_on is not None:
+            self._check_stream()
         key, dyn = self.signature(args, kwargs)
         entry = self.cache.get(key)
         if entry is None:
             entry = self._recapture(key, args, kwargs)
         return entry.run(dyn)
+
+    def _check_stream(self) -> None:
+        current = torch.cuda.current_stream(self._recorded_on.device)
+        if current != self._recorded_on:
+            raise RuntimeError(
+                f"{self.name}: this chained layer stack was recorded on {self._recorded_on} and is called on "
+                f"{current}. A stack recorded from the default stream (on a side stream: CUDA cannot capture on the "
+                "default one) and replayed there gave losses that differed from eager's with the GPU busy "
+                "(docs/streams.md). Capture the layers and run the whole loop inside one "
+                "`with packgraph.graphs.loop_stream(device):` block (packgraph train, the demo, the benchmark and "
+                "PackgraphTrainer.train do), or capture with chain=False"
+            )
 
     def _check_gathered(self) -> None:
         sharded = [n for n, p in self.module.named_parameters() if _is_dtensor(p)]
