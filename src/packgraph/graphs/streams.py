@@ -18,20 +18,21 @@ __all__ = ["loop_stream"]
 
 
 @contextlib.contextmanager
-def loop_stream(device: torch.device | str | None) -> Iterator[None]:
-    """Run the block on a new non-default CUDA stream of ``device`` (on another device, as it is).
+def loop_stream(device: torch.device | str | None, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
+    """Run the block on a new non-default CUDA stream of ``device``, or on ``stream`` (on another device, as it is).
 
     Contract: the stream first waits for the caller's stream, and the device is synchronised when the block ends,
     so work before and after the block is ordered with it however the tensors made inside are used after. Run a
     whole loop in it (model set-up, steps, optimizer, logging), never a part of a step: autograd and the caching
-    allocator then see one stream.
+    allocator then see one stream. Graphs of chained layers recorded inside replay only on that stream: a later
+    loop over them passes the same ``stream``.
     """
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         yield
         return
     caller = torch.cuda.current_stream(device)
-    stream = torch.cuda.Stream(device)
+    stream = stream if stream is not None else torch.cuda.Stream(device)
     stream.wait_stream(caller)
     try:
         with torch.cuda.stream(stream):

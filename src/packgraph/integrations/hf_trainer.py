@@ -308,6 +308,7 @@ class PackgraphTrainerMixin:
         self.packgraph_scope = _resolve_scope(scope)
         self.packgraph_capture_options = dict(capture_options or {})
         self.packgraph_layers: GraphedDecoderLayers | None = None
+        self._packgraph_stream: torch.cuda.Stream | None = None  # the loop stream of every train() call
         self._packgraph_total_tokens = getattr(collator, "total_tokens", None)
         _check_model(self.model)
         _check_setup(self)
@@ -320,8 +321,12 @@ class PackgraphTrainerMixin:
     # -------------------------------------------------------------------------------- Trainer hooks
     def train(self, *args: Any, **kwargs: Any) -> Any:
         # The whole loop on one non-default CUDA stream: the graphs are recorded on it, and the eager embedding,
-        # head, loss and optimizer share their cuBLAS workspaces (packgraph.graphs.streams).
-        with loop_stream(self.args.device):
+        # head, loss and optimizer share their cuBLAS workspaces (packgraph.graphs.streams). The same stream at every
+        # call: a chained stack replays only on the stream it was recorded on.
+        device = torch.device(self.args.device)
+        if device.type == "cuda" and self._packgraph_stream is None:
+            self._packgraph_stream = torch.cuda.Stream(device)
+        with loop_stream(device, self._packgraph_stream):
             return super().train(*args, **kwargs)
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Tensor:
