@@ -81,7 +81,6 @@ from packgraph.graphs.signature import (
     identity_statics,
     is_chained,
 )
-from packgraph.graphs.stand_ins import stand_in_leaf
 
 __all__ = [
     "capture",
@@ -304,8 +303,12 @@ class GraphedCallable:
         for p in self.params:
             copy = self._param_copies.get(id(p))
             if copy is None or copy.shape != p.shape or copy.dtype != p.dtype or copy.requires_grad != p.requires_grad:
-                self._param_copies[id(p)] = stand_in_leaf(p.detach().clone())
-                self._param_copies[id(p)].requires_grad_(p.requires_grad)
+                copy = p.detach().clone()
+                # of the parameter's class, as stand_in_leaf makes them: code may check for Parameter
+                is_param = isinstance(p, nn.Parameter)
+                self._param_copies[id(p)] = (
+                    nn.Parameter(copy, p.requires_grad) if is_param else copy.requires_grad_(p.requires_grad)
+                )
         return self._param_copies
 
     def trainable_now(self) -> list[Tensor]:
