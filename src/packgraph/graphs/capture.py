@@ -90,6 +90,7 @@ __all__ = [
     "GraphedCallable",
     "call_with_forward",
     "is_fsdp_unit",
+    "is_dtensor",
 ]
 
 
@@ -101,13 +102,10 @@ def _fsdp_role(module: nn.Module, name: str, inside_units: bool = False) -> str 
     parameters inside what a graph of it would replay. Unless ``inside_units``: the callable then runs inside the
     units' forwards, calling what they hold without their hooks (an adapter that calls a unit's original forward
     from within the unit's own call), and is a part too."""
-    if not torch.distributed.is_available():
+    types = _fsdp_types()
+    if types is None:
         return None
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without these has no FSDP2
-        return None
+    FSDPModule, DTensor = types  # noqa: N806
     inner = [m for m in module.modules() if isinstance(m, FSDPModule) and m is not module]
     if inner and inside_units:
         return "part"
@@ -126,13 +124,27 @@ def _fsdp_role(module: nn.Module, name: str, inside_units: bool = False) -> str 
 
 def is_fsdp_unit(module: nn.Module) -> bool:
     """Whether ``module`` is an FSDP2 unit (``fully_shard``)."""
+    types = _fsdp_types()
+    return types is not None and isinstance(module, types[0])
+
+
+def is_dtensor(t: Tensor) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2 shard, outside its unit's gather)."""
+    types = _fsdp_types()
+    return types is not None and isinstance(t, types[1])
+
+
+@functools.cache
+def _fsdp_types() -> tuple[type, type] | None:
+    """``(FSDPModule, DTensor)``, or None in a torch without FSDP2."""
     if not torch.distributed.is_available():
-        return False
+        return None
     try:
         from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
     except ImportError:
-        return False
-    return isinstance(module, FSDPModule)
+        return None
+    return FSDPModule, DTensor
 
 
 def call_with_forward(module: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -377,7 +389,7 @@ class GraphedCallable:
             )
 
     def _check_gathered(self) -> None:
-        sharded = [n for n, p in self.module.named_parameters() if _is_dtensor(p)]
+        sharded = [n for n, p in self.module.named_parameters() if is_dtensor(p)]
         if sharded:
             raise RuntimeError(
                 f"{self.name}: called with its parameters still sharded by FSDP2 ({sharded[0]} is a DTensor): FSDP2 "
@@ -423,9 +435,9 @@ class GraphedCallable:
         :meth:`_stack_to_recapture`) or where no input buffer of that layout is free; the call then captures as
         it would have. Raises what the call would (invalid PackedSeqParams, ``on_mismatch="error"``).
         """
-        sample = self.buffers.primary(("input", 0))
         if self.copies_params:  # an FSDP2 unit is captured inside its own forward, where it is gathered
             return False
+        sample = self.buffers.primary(("input", 0))
         if sample is None or tuple(sample.shape) != tuple(shape) or sample.dtype != dtype:
             return False
         if sample.requires_grad != requires_grad:
@@ -508,12 +520,6 @@ def _remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

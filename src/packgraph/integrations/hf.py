@@ -42,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError("packgraph.integrations.hf needs Hugging Face transformers: pip install 'packgraph[hf]'") from exc
 
 from packgraph.buckets import BucketPolicy
+from packgraph.graphs.capture import is_dtensor, is_fsdp_unit
 from packgraph.graphs.safety import GraphCaptureError
 from packgraph.integrations.hf_batches import from_flattening_batch, to_flattening_batch
 from packgraph.ops import varlen_attention
@@ -412,7 +413,6 @@ def graph_decoder_layers(
             instead), or draws random numbers under gradient checkpointing.
     """
     from packgraph.graphs import capture_layers
-    from packgraph.graphs.capture import is_fsdp_unit
 
     scope = _resolve_scope(scope)
 
@@ -602,7 +602,7 @@ def _sample_args(decoder: nn.Module, sample_batch: Any, *, scope: str, requires_
     with torch.no_grad():
         embed = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else decoder.embed_tokens
         weight = embed.weight
-        if type(weight).__name__ == "DTensor":
+        if is_dtensor(weight):
             # FSDP2 gathers the embedding only inside the root's forward; a capture depends on shapes, not values
             hidden = torch.zeros(1, batch.tokens.numel(), weight.shape[-1], dtype=weight.dtype, device=device)
         else:
