@@ -64,6 +64,15 @@ def _reference(batches, world):
     return out
 
 
+def _compare(named, want: dict, where: str) -> float:
+    """Assert every ``(name, tensor)`` of ``named`` close to ``want[name]``; the worst relative difference."""
+    worst = 0.0
+    for n, got in named:
+        worst = max(worst, ((got - want[n]).abs().max() / want[n].abs().max()).item())
+        torch.testing.assert_close(got, want[n], **TOL, msg=lambda m, w=f"{where} {n}": f"{w}: {m}")
+    return worst
+
+
 def _worker(rank: int, world: int, backend: str, init: str, out: str) -> None:
     from packgraph.graphs import loop_stream
 
@@ -96,11 +105,8 @@ def _ddp_worker(rank: int, world: int, backend: str, init: str, out: str) -> Non
                         _, loss = ddp(b)
                         (loss * (b.num_real_tokens / count)).backward()
                 opt.step()
-                for n, p in model.named_parameters():
-                    err = ((p.detach() - want[s][n]).abs().max() / want[s][n].abs().max()).item()
-                    worst[label] = max(worst[label], err)
-                    where = f"{label} step {s} {n}"
-                    torch.testing.assert_close(p.detach(), want[s][n], **TOL, msg=lambda m, w=where: f"{w}: {m}")
+                named = ((n, p.detach()) for n, p in model.named_parameters())
+                worst[label] = max(worst[label], _compare(named, want[s], f"{label} step {s}"))
             del ddp, runner
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(worst))
@@ -148,12 +154,8 @@ def _fsdp2_worker(rank: int, world: int, init: str, out: str) -> None:
                     _, loss = runner(b)
                     (loss * (b.num_real_tokens * world / count)).backward()  # FSDP2 averages its reduce-scatter
                 opt.step()
-                for n, p in model.named_parameters():
-                    full = p.full_tensor().detach()
-                    err = ((full - want[s][n]).abs().max() / want[s][n].abs().max()).item()
-                    worst[label] = max(worst[label], err)
-                    where = f"FSDP2 {label} step {s} {n}"
-                    torch.testing.assert_close(full, want[s][n], **TOL, msg=lambda m, w=where: f"{w}: {m}")
+                named = ((n, p.full_tensor().detach()) for n, p in model.named_parameters())
+                worst[label] = max(worst[label], _compare(named, want[s], f"FSDP2 {label} step {s}"))
             if scope:
                 assert [g.captures for g in runner.callables] == [1] * len(model.blocks), label
             del runner, model

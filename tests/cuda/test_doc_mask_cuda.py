@@ -17,13 +17,14 @@ from tests.cuda.test_ops_cuda import (
     StaticParams,
     T,
     bf16_weight,
+    capture_training_step,
     float64_reference,
     live_rows,
     make_params,
     packings,
     randn,
     rel_err,
-    warm_up,
+    replay_on,
 )
 
 TOL = 2e-2  # bf16 against float64, relative over the whole tensor
@@ -70,28 +71,11 @@ def test_one_graph_serves_every_packing(report):
         (out.float() * weight).sum().backward()
         return out
 
-    def clear():
-        for x in (q, k, v):
-            x.grad = None
-
-    warm_up(lambda: (clear(), step()))
-    clear()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-    grads = (q.grad, k.grad, v.grad)
+    graph, static_out, grads = capture_training_step(step, (q, k, v))
     worst = 0.0
     for lengths in cases:
         params = make_params(lengths, pad)
-        static.load(params)
-        with torch.no_grad():
-            for buf in (q, k, v):
-                buf.copy_(torch.randn_like(buf, dtype=torch.float32))
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        replay_on(graph, static, params, (q, k, v))
         want_out, want_grads = _fwd_bwd(doc_mask_attention, q, k, v, params, weight)
         for got, want in zip((static_out, *grads), (want_out, *want_grads), strict=True):
             worst = max(worst, rel_err(got, want))

@@ -238,6 +238,40 @@ def warm_up(fn, iters=3):
     torch.cuda.current_stream().wait_stream(side)
 
 
+def capture_training_step(step, leaves):
+    """``step()`` (a forward, and its backward into ``leaves``' ``.grad``) warmed up, then captured in one CUDA
+    graph: ``(graph, static output, static grads)``. The grads are cleared first: allocated inside the capture, they
+    become static outputs that each replay rewrites."""
+
+    def clear_grads():
+        for x in leaves:
+            x.grad = None
+
+    warm_up(lambda: (clear_grads(), step()))
+    clear_grads()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    return graph, static_out, tuple(x.grad for x in leaves)
+
+
+def replay_on(graph, static, params, bufs, *, no_sync=True):
+    """Load ``params``' offsets into ``static`` and fresh values into ``bufs``, then replay ``graph``; with
+    ``no_sync``, under ``set_sync_debug_mode("error")``, so a host read in the replayed work fails."""
+    static.load(params)
+    with torch.no_grad():
+        for buf in bufs:
+            buf.copy_(torch.randn_like(buf, dtype=torch.float32))
+    if not no_sync:
+        graph.replay()
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @DTYPE_PAD_PATHS
 def test_graph_replay_forward_matches_eager(monkeypatch, dtype, pad, short_docs, report):
     cases = packings(30, seed=1 + pad, pad=pad)
@@ -293,26 +327,12 @@ def test_graph_replay_with_backward_matches_eager(monkeypatch, pad, short_docs, 
         (out.float() * weight).sum().backward()
         return out
 
-    def clear_grads():
-        for x in (q, k, v):
-            x.grad = None
-
-    warm_up(lambda: (clear_grads(), step()))
-    clear_grads()  # grads allocated inside the capture become static outputs that each replay rewrites
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-    static_grads = (q.grad, k.grad, v.grad)
+    graph, static_out, static_grads = capture_training_step(step, (q, k, v))
 
     worst_out, worst_grad = 0.0, 0.0
     for i, lengths in enumerate(cases):
         params = make_params(lengths, pad)
-        static.load(params)
-        with torch.no_grad():
-            for buf in (q, k, v):
-                buf.copy_(torch.randn_like(buf, dtype=torch.float32))
-            weight.copy_(torch.randn_like(weight))
-        graph.replay()
+        replay_on(graph, static, params, (q, k, v, weight), no_sync=False)
 
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         eager = rope_attention(*leaves, params)
@@ -475,30 +495,13 @@ def test_graph_replay_with_window_matches_eager_and_float64(monkeypatch, window,
         (out.float() * weight).sum().backward()
         return out
 
-    def clear_grads():
-        for x in (q, k, v):
-            x.grad = None
-
-    warm_up(lambda: (clear_grads(), step()))
-    clear_grads()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-    static_grads = (q.grad, k.grad, v.grad)
+    graph, static_out, static_grads = capture_training_step(step, (q, k, v))
     assert flash_calls and set(flash_calls) == {window}, flash_calls
 
     worst_eager, worst_ref = 0.0, 0.0
     for i, lengths in enumerate(cases):
         params = make_params(lengths, pad)
-        static.load(params)
-        with torch.no_grad():
-            for buf in (q, k, v):
-                buf.copy_(torch.randn_like(buf, dtype=torch.float32))
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        replay_on(graph, static, params, (q, k, v))
         eager_out, eager_grads = fwd_bwd(q, k, v, params, weight, causal=causal, window=window)
         live = live_rows(lengths, pad)
         for name, got, want in zip(
@@ -569,27 +572,10 @@ def test_softcap_sinks_window_replay_in_a_graph_without_host_sync():
         (out.float() * weight).sum().backward()
         return out
 
-    def clear_grads():
-        for x in (q, k, v, sinks):
-            x.grad = None
-
-    warm_up(lambda: (clear_grads(), step()))
-    clear_grads()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-    static_grads = (q.grad, k.grad, v.grad, sinks.grad)
+    graph, static_out, static_grads = capture_training_step(step, (q, k, v, sinks))
     for i, lengths in enumerate(cases):
         params = make_params(lengths, pad)
-        static.load(params)
-        with torch.no_grad():
-            for buf in (q, k, v):
-                buf.copy_(torch.randn_like(buf, dtype=torch.float32))
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        replay_on(graph, static, params, (q, k, v))
         eager_out, eager_grads = fwd_bwd(q, k, v, params, weight, sinks, **options)
         for name, got, want in zip(
             ("out", "dq", "dk", "dv", "dsinks"), (static_out, *static_grads), (eager_out, *eager_grads), strict=True

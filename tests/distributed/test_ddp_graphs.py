@@ -66,6 +66,29 @@ def _reference(batches: list[PackedBatch], world: int, micro: int) -> list[dict[
     return out
 
 
+def _train_steps(model, run, batches, want, rank, world, micro, *, no_sync=None, full=lambda p: p) -> None:
+    """SGD steps of ``run`` (``batch -> (logits, loss)``) on this rank's micro-batches of each step, every one but
+    the last under ``no_sync()`` when given; after each step every parameter (``full(p)``: the whole tensor of a
+    shard) must equal the reference's. DDP and FSDP2 both average over the ranks, so each micro-batch's loss is the
+    rank's share of the global mean scaled back up by the world size."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for s in range(STEPS):
+        step = batches[s * world * micro : (s + 1) * world * micro]
+        mine = list(shard_batches(step, rank, world))  # this rank's micro-batches of the step
+        count = global_token_count(sum(b.num_real_tokens for b in mine))
+        opt.zero_grad(set_to_none=True)
+        for i, b in enumerate(mine):
+            last = i == micro - 1
+            with no_sync() if no_sync is not None and not last else contextlib.nullcontext():
+                _, loss = run(b)
+                (loss * (b.num_real_tokens * world / count)).backward()
+        opt.step()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(
+                full(p).detach(), want[s][n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n, s=s: f"step {s} {n}: {m}"
+            )
+
+
 def _worker(rank: int, world: int, init: str, case: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -78,23 +101,7 @@ def _worker(rank: int, world: int, init: str, case: dict) -> None:
         with use_recorder(recorder) if recorder is not None else contextlib.nullcontext():
             module = model.graphed(scope=case["scope"], **case.get("graph", {})) if case["scope"] else model
             ddp = DDP(module, **case.get("ddp", {}))
-            opt = torch.optim.SGD(model.parameters(), lr=LR)
-            for s in range(STEPS):
-                step = batches[s * world * micro : (s + 1) * world * micro]
-                mine = list(shard_batches(step, rank, world))  # this rank's micro-batches of the step
-                count = global_token_count(sum(b.num_real_tokens for b in mine))
-                opt.zero_grad(set_to_none=True)
-                for i, b in enumerate(mine):
-                    last = i == micro - 1
-                    with ddp.no_sync() if not last else contextlib.nullcontext():
-                        _, loss = ddp(b)
-                        # DDP averages over ranks: scale the rank's share of the global mean back up.
-                        (loss * (b.num_real_tokens * world / count)).backward()
-                opt.step()
-                for n, p in model.named_parameters():
-                    torch.testing.assert_close(
-                        p.detach(), want[s][n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n, s=s: f"step {s} {n}: {m}"
-                    )
+            _train_steps(model, ddp, batches, want, rank, world, micro, no_sync=ddp.no_sync)
         # The reducer goes first, while the process group is still registered: a gloo group destroyed by the
         # reducer's destructor joins its worker thread holding the GIL, which that thread may need (a deadlock).
         del ddp, module

@@ -23,12 +23,18 @@ import torch.multiprocessing as mp
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
-from packgraph.distributed import global_token_count, shard_batches  # noqa: E402
-from packgraph.graphs import capture, use_recorder  # noqa: E402
-from tests.distributed.test_ddp_graphs import LR, STEPS, _batches, _model, _reference  # noqa: E402
-from tests.eager_recorder import EagerRecorder, OpReplayRecorder  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
-RECORDERS = {"eager": EagerRecorder, "op-replay": OpReplayRecorder}
+from packgraph.graphs import capture, use_recorder  # noqa: E402
+from tests.distributed.test_ddp_graphs import (  # noqa: E402
+    RECORDERS,
+    STEPS,
+    _batches,
+    _model,
+    _reference,
+    _train_steps,
+)
+from tests.eager_recorder import OpReplayRecorder  # noqa: E402
 
 
 def _sharded_model():
@@ -39,23 +45,6 @@ def _sharded_model():
     return model
 
 
-def _train(model, run, batches, want, rank: int, world: int, micro: int) -> None:
-    """SGD steps of ``run`` (a callable returning ``(logits, loss)``) on this rank's share of each step's batches;
-    the gathered parameters must equal the reference's after every step."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    per_step = world * micro
-    for s in range(STEPS):
-        mine = list(shard_batches(batches[s * per_step : (s + 1) * per_step], rank, world))
-        count = global_token_count(sum(b.num_real_tokens for b in mine))
-        opt.zero_grad(set_to_none=True)
-        for b in mine:
-            _, loss = run(b)
-            (loss * (b.num_real_tokens * world / count)).backward()  # FSDP2 averages its reduce-scatter
-        opt.step()
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(p.full_tensor().detach(), want[s][n], rtol=1e-5, atol=1e-8, msg=n)
-
-
 def _worker(rank: int, world: int, init: str, case: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -64,12 +53,12 @@ def _worker(rank: int, world: int, init: str, case: dict) -> None:
         batches = _batches(STEPS * world * micro)
         want = _reference(batches, world, micro)
         eager = _sharded_model()
-        _train(eager, eager, batches, want, rank, world, micro)
+        _train_steps(eager, eager, batches, want, rank, world, micro, full=DTensor.full_tensor)
 
         model = _sharded_model()
         with use_recorder(RECORDERS[case["recorder"]]()):
             graphed = model.graphed(scope=case["scope"])
-            _train(model, graphed, batches, want, rank, world, micro)
+            _train_steps(model, graphed, batches, want, rank, world, micro, full=DTensor.full_tensor)
             # one capture per layer: the copies are refreshed in place, never a reason to capture again
             assert [g.captures for g in graphed.callables] == [1] * len(model.blocks)
             assert all(g.copies_params for g in graphed.callables)
