@@ -35,8 +35,10 @@ def _rows(params: PackedSeqParams, total: int, device: torch.device) -> tuple[Te
     slots = lengths.numel()
     rows = torch.arange(total, device=device)
     # The slot whose layout span holds the row: the count of slot ends at or before it (ghost slots, empty, end
-    # where they start and are skipped). Rows past the last end get ``slots`` (the dead tail).
-    slot = torch.searchsorted(layout[1:], rows, right=True)
+    # where they start and are skipped). Rows past the last end get ``slots`` (the dead tail). The ends are
+    # counted in the whole offsets minus the start, not searched in ``layout[1:]``: torch 2.11's Inductor cannot
+    # lower searchsorted over a slice (NotImplementedError: SliceView).
+    slot = torch.searchsorted(layout, rows, right=True) - (layout[0] <= rows).long()
     clamped = slot.clamp(max=max(slots - 1, 0))
     live = (slot < slots) & (rows - layout[clamped] < lengths[clamped])
     return slot, live
