@@ -92,8 +92,8 @@ def _config():
     return tiny_config(calculate_per_token_loss=True)
 
 
-def _model():
-    return gpt_model(get_gpt_layer_packgraph_spec(), _config(), seed=1)
+def _model(device: str = "cpu"):
+    return gpt_model(get_gpt_layer_packgraph_spec(), _config(), seed=1).to(device)
 
 
 def _ddp(model, options: dict):
@@ -111,15 +111,17 @@ def _state(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _reference(batches: list[PackedBatch], world: int, micro: int) -> list[dict[str, torch.Tensor]]:
+def _reference(
+    batches: list[PackedBatch], world: int, micro: int, device: str = "cpu"
+) -> list[dict[str, torch.Tensor]]:
     """One process, eager, no DDP: each step's ``world * micro`` batches as one union, its summed loss over its
     target count, SGD."""
-    model = _model()
+    model = _model(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     per_step = world * micro
     for s in range(STEPS):
-        union = batches[s * per_step : (s + 1) * per_step]
+        union = [b.to(device) for b in batches[s * per_step : (s + 1) * per_step]]
         opt.zero_grad(set_to_none=True)
         loss = sum(packed_loss(packed_logits(model, b), b) for b in union) / sum(b.num_real_tokens for b in union)
         loss.backward()
@@ -131,12 +133,12 @@ def _reference(batches: list[PackedBatch], world: int, micro: int) -> list[dict[
 def _train(ddp, batches: list[PackedBatch], rank: int, world: int, case: dict):
     """This rank's steps inside Megatron's DDP: the state after each step, and for each step whether each bucket
     group's reduction was already launched (from DDP's grad hooks) when the backward of the last micro-batch ended."""
-    micro = case.get("micro", 1)
+    micro, device = case.get("micro", 1), case.get("device", "cpu")
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     states, launched = [], []
     for s in range(STEPS):
         step = batches[s * world * micro : (s + 1) * world * micro]
-        mine = list(shard_batches(step, rank, world))  # this rank's micro-batches of the step
+        mine = [b.to(device) for b in shard_batches(step, rank, world)]  # this rank's micro-batches of the step
         count = global_token_count(sum(b.num_real_tokens for b in mine))
         opt.zero_grad(set_to_none=True)  # the .grad set to main_grad below must not collect the next backward
         ddp.zero_grad_buffer()
