@@ -38,19 +38,23 @@ def _rows():
 
 
 def _train(
-    out: Path, *, graphs: bool, accumulate: int, checkpointing: bool = False
+    out: Path, *, graphs: bool, accumulate: int, checkpointing: bool = False, device: str = "cpu"
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One run of ``PackgraphTrainer``: its logged losses and final parameters. On the CPU the graphs are the
+    op-replay stand-in's; on CUDA they are real, and several ranks reduce over gloo (they share one GPU)."""
+    on_cpu = device == "cpu"
     args = transformers.TrainingArguments(
-        output_dir=str(out), use_cpu=True, per_device_train_batch_size=1, gradient_accumulation_steps=accumulate,
+        output_dir=str(out), use_cpu=on_cpu, per_device_train_batch_size=1, gradient_accumulation_steps=accumulate,
         max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch", save_strategy="no",
         report_to=[], disable_tqdm=True, seed=0, dataloader_num_workers=0, logging_steps=1,
         **({"gradient_checkpointing": True} if checkpointing else {}),  # the name transformers 5.17 knows
+        **({} if on_cpu else {"ddp_backend": "gloo"}),
     )  # fmt: skip
     trainer = PackgraphTrainer(
         model=tiny_model("llama").train(), args=args, train_dataset=_rows(), total_tokens=TOTAL, buckets=POLICY,
         graphs=graphs, capture_options={"num_warmup_iters": 1},
     )  # fmt: skip
-    with use_recorder(OpReplayRecorder()) if graphs else contextlib.nullcontext():
+    with use_recorder(OpReplayRecorder()) if graphs and on_cpu else contextlib.nullcontext():
         trainer.train()
     if graphs:
         assert trainer.packgraph_layers is not None and trainer.packgraph_layers.graphed
@@ -59,11 +63,15 @@ def _train(
     return losses, params
 
 
-def _rank(rank: int, world: int, port: int, out: str, graphs: bool, checkpointing: bool) -> None:
+def _rank(rank: int, world: int, port: int, out: str, graphs: bool, checkpointing: bool, device: str = "cpu") -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+    # On CUDA every rank is told it is its node's only process, so that each takes cuda:0, the one GPU they share.
+    local = (rank, world) if device == "cpu" else (0, 1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local[0]), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local[1]),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    losses, params = _train(Path(out) / f"rank{rank}", graphs=graphs, accumulate=1, checkpointing=checkpointing)
+    losses, params = _train(
+        Path(out) / f"rank{rank}", graphs=graphs, accumulate=1, checkpointing=checkpointing, device=device
+    )
     torch.save({"losses": losses, "params": params}, Path(out) / f"rank{rank}.pt")
     import torch.distributed as dist
 
