@@ -152,10 +152,12 @@ def summing_ddp(module: nn.Module, *, group: Any = None, **ddp_kwargs: Any) -> n
     DDP averages over the ranks; a loss already divided by the global target count (module docstring) needs the
     sum, and a summing hook keeps it exact at any world size (scaling the loss by the world size would not be for
     a world of 3). Everything else is DDP's: buckets, overlap with the backward, ``no_sync()``, ``static_graph``,
-    ``find_unused_parameters``.
+    ``find_unused_parameters``. ``gradient_as_bucket_view`` defaults to ``True`` here: the ``.grad`` tensors are
+    views of DDP's buckets rather than a second copy of every gradient (pass ``False`` for DDP's default).
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    ddp_kwargs.setdefault("gradient_as_bucket_view", True)
     ddp = DistributedDataParallel(module, process_group=group, **ddp_kwargs)
     ddp.register_comm_hook(group, _sum_hook)
     return ddp
