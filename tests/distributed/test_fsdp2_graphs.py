@@ -8,7 +8,8 @@ Each block is an FSDP2 unit and so is the whole GPT (its root: the embedding and
 process trained on the union of every rank's batches, eagerly (tests/distributed/test_ddp_graphs.py). After each
 optimizer step, every rank's gathered parameters must equal the reference's, for graphed blocks (scope ``layer``)
 and graphed halves (``attn``, ``mlp``: called inside their block's hooks), as they do for FSDP2 eagerly. A graph of
-a module holding units below it is refused by name, and so is a graphed half called outside its unit's forward.
+a module holding units below it is refused by name, and so are a graphed half called outside its unit's forward
+and a graph of a model sharded after it was graphed.
 """
 
 from __future__ import annotations
@@ -99,6 +100,15 @@ def _refusals(rank: int, world: int, init: str, case: dict) -> None:
             attn = capture(model.blocks[0].attn, (torch.zeros(32, 32, dtype=torch.float64), batch.packed_seq_params))
             with pytest.raises(RuntimeError, match="still sharded by FSDP2"):
                 attn(torch.zeros(32, 32, dtype=torch.float64), batch.packed_seq_params)
+            # sharded after its layers were graphed and had run: the graphs read the storage FSDP2 replaced
+            late = _model()
+            graphed = late.graphed(scope="layer")
+            graphed(batch)
+            for block in late.blocks:
+                fsdp.fully_shard(block)
+            fsdp.fully_shard(late)
+            with pytest.raises(RuntimeError, match="Apply fully_shard first"):
+                graphed(batch)
     finally:
         dist.destroy_process_group()
 

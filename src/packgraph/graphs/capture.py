@@ -193,6 +193,7 @@ class GraphedCallable:
         # Under FSDP2 the parameters are gathered into new storage for each forward and backward: the graphs read
         # copies of them, refreshed at every call (Entry.load), and an FSDP2 unit's own hooks run eagerly around
         # the replay, so the captured callable is its forward without them.
+        self._inside_fsdp_units = inside_fsdp_units
         self.fsdp = _fsdp_role(self.module, self.name, inside_fsdp_units) if self.module is not None else None
         self.copies_params = self.fsdp is not None
         if self.fsdp == "unit" and self.fn is self.module:
@@ -295,6 +296,16 @@ class GraphedCallable:
         for owner in (self.uid, *map(id, dropped)):
             self.group.handouts.forget_owner(owner)
         self._scan_slots()
+        # A part's parameters swap between shards and gathered tensors at every call; a callable graphed with
+        # plain parameters that FSDP2 holds now would read storage FSDP2 frees.
+        if self.fsdp is None and self.module is not None:
+            role = _fsdp_role(self.module, self.name, self._inside_fsdp_units)
+            if role is not None:
+                raise RuntimeError(
+                    f"{self.name}: FSDP2 (fully_shard) was applied after this callable was graphed; its graphs "
+                    "would read parameter storage FSDP2 frees, and were dropped. Apply fully_shard first, then graph "
+                    "the model (model.graphed, capture_layers, graph_decoder_layers, graph_transformer_layers)"
+                )
         if dropped:
             logger.warning(
                 "%s: the module changed since capture: a submodule, parameter, buffer or hook was added, removed or "
