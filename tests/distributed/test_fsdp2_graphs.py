@@ -26,6 +26,7 @@ fsdp = pytest.importorskip("torch.distributed.fsdp")
 
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from packgraph.distributed import shard_batches  # noqa: E402
 from packgraph.graphs import capture, use_recorder  # noqa: E402
 from tests.distributed.test_ddp_graphs import (  # noqa: E402
     RECORDERS,
@@ -115,3 +116,50 @@ def _refusals(rank: int, world: int, init: str, case: dict) -> None:
 
 def test_what_fsdp2_cannot_graph_is_refused_by_name():
     _spawn(2, {}, worker=_refusals)
+
+
+def _eager_rules(rank: int, world: int, init: str, case: dict) -> None:
+    """Frozen parameters and ``no_grad`` through graphed FSDP2 units, against the same sharded model run eagerly
+    on the same rank: the same losses, the same reduced grads, ``.grad`` left ``None`` where eager leaves it."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        batches = list(shard_batches(_batches(4 * world), rank, world))
+
+        def build():
+            model = _model()
+            for p in (*model.blocks[0].attn.parameters(), model.blocks[1].mlp.gate_up.weight):
+                p.requires_grad_(False)  # before sharding, as FSDP2 expects
+            for block in model.blocks:
+                fsdp.fully_shard(block)
+            fsdp.fully_shard(model)
+            return model
+
+        eager, model = build(), build()
+        with use_recorder(RECORDERS[case["recorder"]]()):
+            graphed = model.graphed(scope=case["scope"])
+            for b in batches[:3]:
+                for m in (eager, model):
+                    m.zero_grad(set_to_none=True)
+                _, want = eager(b)
+                _, got = graphed(b)
+                want.backward()
+                got.backward()
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+                for (name, pe), pg in zip(eager.named_parameters(), model.parameters(), strict=True):
+                    assert (pg.grad is None) == (pe.grad is None), f"{name}: .grad None-ness differs from eager"
+                    assert (pe.grad is None) == (not pe.requires_grad), name
+                    if pe.grad is not None:
+                        torch.testing.assert_close(pg.grad.full_tensor(), pe.grad.full_tensor(), rtol=1e-12, atol=0)
+            with torch.no_grad():
+                _, want = eager(batches[3])
+                _, got = graphed(batches[3])
+            assert not got.requires_grad
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("scope", ["layer", "attn"])
+def test_frozen_parameters_and_no_grad_through_fsdp2_units_as_eagerly(scope):
+    _spawn(2, {"scope": scope, "recorder": "op-replay"}, worker=_eager_rules)
