@@ -332,19 +332,36 @@ def test_unbucketed_metadata_is_refused_when_graphed(tmp_path):
             trainer.train()
 
 
+SETUP = dict(n_gpu=1, world_size=1, gradient_checkpointing=False, torch_compile=False, deepspeed=None, fsdp=[])
+
+
+def test_fsdp2_is_served_with_graphs():
+    """FSDP2 units are graphed (their gathers run eagerly around the graphs); the GPU test trains through them."""
+    fsdp2 = dict(SETUP, fsdp=True, fsdp_config={"version": 2})
+    check_setup(types.SimpleNamespace(args=types.SimpleNamespace(**fsdp2), packgraph_graphs=True))
+    plugin = types.SimpleNamespace(fsdp_version=2)  # what accelerate's state holds wins over the config
+    trainer = types.SimpleNamespace(
+        args=types.SimpleNamespace(**dict(SETUP, fsdp=True, fsdp_config={})), packgraph_graphs=True,
+        accelerator=types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin)), is_fsdp_enabled=True,
+    )  # fmt: skip
+    check_setup(trainer)
+    plugin.fsdp_version = 1
+    with pytest.raises(ValueError, match="FSDP1"):
+        check_setup(trainer)
+
+
 @pytest.mark.parametrize(
     "setting, match",
     [
         (dict(torch_compile=True), "torch_compile"),
         (dict(deepspeed="ds.json"), "DeepSpeed"),
-        (dict(fsdp=["full_shard"]), "FSDP"),
+        (dict(fsdp=["full_shard"], fsdp_config={"version": 1}), "FSDP1"),
         (dict(bf16_full_eval=True), "full_eval"),
         (dict(n_gpu=2), "DataParallel"),
     ],
 )
 def test_settings_graphs_cannot_serve_are_refused(setting, match):
-    args = dict(n_gpu=1, world_size=1, gradient_checkpointing=False, torch_compile=False, deepspeed=None, fsdp=[])
-    trainer = types.SimpleNamespace(args=types.SimpleNamespace(**{**args, **setting}), packgraph_graphs=True)
+    trainer = types.SimpleNamespace(args=types.SimpleNamespace(**{**SETUP, **setting}), packgraph_graphs=True)
     with pytest.raises(ValueError, match=match):
         check_setup(trainer)
     trainer.packgraph_graphs = False  # packed and eager: only DataParallel (it splits the [1, T] row) is refused

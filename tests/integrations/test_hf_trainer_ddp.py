@@ -38,17 +38,19 @@ def _rows():
 
 
 def _train(
-    out: Path, *, graphs: bool, accumulate: int, checkpointing: bool = False, device: str = "cpu"
+    out: Path, *, graphs: bool, accumulate: int, checkpointing: bool = False, device: str = "cpu", fsdp2: bool = False
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One run of ``PackgraphTrainer``: its logged losses and final parameters. On the CPU the graphs are the
-    op-replay stand-in's; on CUDA they are real, and several ranks reduce over gloo (they share one GPU)."""
+    op-replay stand-in's; on CUDA they are real, and several ranks reduce over gloo (they share one GPU), or, with
+    ``fsdp2``, accelerate shards each decoder layer and the model with FSDP2 over NCCL."""
     on_cpu = device == "cpu"
+    fsdp = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     args = transformers.TrainingArguments(
         output_dir=str(out), use_cpu=on_cpu, per_device_train_batch_size=1, gradient_accumulation_steps=accumulate,
         max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch", save_strategy="no",
         report_to=[], disable_tqdm=True, seed=0, dataloader_num_workers=0, logging_steps=1,
         **({"gradient_checkpointing": True} if checkpointing else {}),  # the name transformers 5.17 knows
-        **({} if on_cpu else {"ddp_backend": "gloo"}),
+        **(fsdp if fsdp2 else {} if on_cpu else {"ddp_backend": "gloo"}),
     )  # fmt: skip
     trainer = PackgraphTrainer(
         model=tiny_model("llama").train(), args=args, train_dataset=_rows(), total_tokens=TOTAL, buckets=POLICY,
@@ -59,7 +61,8 @@ def _train(
     if graphs:
         assert trainer.packgraph_layers is not None and trainer.packgraph_layers.graphed
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    params = {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in model.named_parameters()}
     return losses, params
 
 

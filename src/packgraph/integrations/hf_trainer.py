@@ -29,10 +29,12 @@ Three pieces:
   eagerly (``prediction_step`` pauses the graphs), and ``save_model`` writes the unchanged ``state_dict``.
 
 Several processes (``accelerate launch``, ``torchrun``) run accelerate's torch DDP over the graphed layers: their
-grads reach DDP's hooks through autograd, as eager ones do. Combinations that graphs cannot serve raise an error at
-construction, naming the setting: ``torch_compile=True``, DeepSpeed, FSDP, DataParallel (several GPUs in one
-process), and ``bf16/fp16_full_eval``. A padded batch (an attention mask, batch size above 1, or no packing
-metadata) raises at its first step whatever the mode.
+grads reach DDP's hooks through autograd, as eager ones do. With FSDP2 (``fsdp=True``, ``fsdp_config`` version 2),
+accelerate shards each decoder layer before the first step, so the layers are captured as FSDP2 units: their
+graphs read copies of the gathered parameters while FSDP2's hooks run eagerly around them (docs/distributed.md).
+Combinations that graphs cannot serve raise an error at construction, naming the setting: ``torch_compile=True``,
+DeepSpeed, FSDP1, DataParallel (several GPUs in one process), and ``bf16/fp16_full_eval``. A padded batch (an
+attention mask, batch size above 1, or no packing metadata) raises at its first step whatever the mode.
 """
 
 from __future__ import annotations
@@ -429,14 +431,27 @@ def _check_setup(trainer: Any) -> None:
          "to False (packgraph captures the layers itself)"),
         (getattr(trainer, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None), "DeepSpeed gathers "
          "and frees parameters around each layer, outside the graphs, which would read freed storage"),
-        (getattr(trainer, "is_fsdp_enabled", False) or bool(getattr(args, "fsdp", None)), "FSDP gathers and frees "
-         "parameters around each layer, outside the graphs, which would read freed storage"),
+        (_fsdp_version(trainer) == 1, "FSDP1 flattens the parameters and frees them around each layer, outside the "
+         "graphs, which would read freed storage: use FSDP2 (fsdp_config={'version': 2}), whose units packgraph "
+         "graphs"),
         (getattr(args, "bf16_full_eval", False) or getattr(args, "fp16_full_eval", False), "bf16/fp16_full_eval "
          "casts the model (new parameter storage) and the graphs would keep reading the old weights"),
     ]  # fmt: skip
     for bad, reason in refused:
         if bad:
             raise ValueError(f"PackgraphTrainer with graphs: {reason}; {why_not}")
+
+
+def _fsdp_version(trainer: Any) -> int | None:
+    """The FSDP version the trainer runs (1 or 2), or ``None`` without FSDP."""
+    args = trainer.args
+    if not (getattr(trainer, "is_fsdp_enabled", False) or getattr(args, "fsdp", None)):
+        return None
+    plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(plugin, "fsdp_plugin", None)
+    if plugin is not None:
+        return int(plugin.fsdp_version)
+    return int((getattr(args, "fsdp_config", None) or {}).get("version", 1))
 
 
 def _sample_batch(inputs: Mapping[str, Any], device: torch.device) -> PackedBatch:
