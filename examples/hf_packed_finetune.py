@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Llama
 
 from packgraph.buckets import BucketPolicy
 from packgraph.data.corpus import VOCAB_SIZE, load_corpus
+from packgraph.graphs import loop_stream
 from packgraph.integrations.hf import from_flattening_batch, graph_decoder_layers, packed_forward
 from packgraph.packing import pack_sequences
 from packgraph.train.logs import largest
@@ -130,11 +131,14 @@ def main() -> None:
 
     model = model.to(device=device, dtype=torch.bfloat16).train()
     graphed_model = copy.deepcopy(model)
-    eager_losses, eager_times = train(model, batches, args)
-    sample = batches[0].to(device)
-    handle = graph_decoder_layers(graphed_model, sample, buckets=policy)
-    graph_losses, graph_times = train(graphed_model, batches, args)
-    handle.remove()
+    # Both runs on one non-default stream: the chained layer graphs replay only on the stream they were recorded
+    # on, and CUDA cannot record on the default one (docs/streams.md).
+    with loop_stream(device):
+        eager_losses, eager_times = train(model, batches, args)
+        sample = batches[0].to(device)
+        handle = graph_decoder_layers(graphed_model, sample, buckets=policy)
+        graph_losses, graph_times = train(graphed_model, batches, args)
+        handle.remove()
     # The first steps of each run include warm-up (and, graphed, the captures); they are not steady state.
     skip = min(5, len(batches) // 2)
     eager_ms = statistics.median(eager_times[skip:])

@@ -37,6 +37,7 @@ import torch
 from packgraph import default_buckets
 from packgraph.data.corpus import VOCAB_SIZE, load_corpus
 from packgraph.data.stream import DataStream, split_documents
+from packgraph.graphs import loop_stream
 from packgraph.integrations.megatron import get_gpt_layer_packgraph_spec, graph_transformer_layers, to_megatron
 from packgraph.packing import PackedBatch
 from packgraph.train import deterministic_kernels
@@ -232,7 +233,9 @@ def run(cfg: ExampleConfig, out_dir: str | os.PathLike | None = None, echo: Call
     batches = [b.to(cfg.device) for b in make_batches(cfg)]
     initial_state = {k: v.detach().clone() for k, v in build_model(cfg).state_dict().items() if v is not None}
     runs: dict[str, dict[str, Any]] = {}
-    with deterministic_kernels(cfg.deterministic):
+    # One non-default stream for every run: chained layer graphs replay only on the stream they were recorded on,
+    # and CUDA cannot record on the default one (docs/streams.md).
+    with deterministic_kernels(cfg.deterministic), loop_stream(cfg.device):
         for scope in (None, *cfg.scopes):
             name = "eager" if scope is None else f"graphed-{scope}"
             runs[name] = train_run(cfg, initial_state, batches, scope=scope)
