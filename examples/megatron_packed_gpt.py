@@ -11,10 +11,14 @@ between each graphed run and the eager one, and the median step-time speedup, an
 
     python examples/megatron_packed_gpt.py                                   # 60 steps, scope layer
     python examples/megatron_packed_gpt.py --steps 300 --deterministic --scopes layer attn --out-dir runs/mgpt
+    torchrun --nproc_per_node 8 examples/megatron_packed_gpt.py --ddp   # Megatron's DDP, each rank its batches
 
 ``--deterministic`` makes every kernel deterministic (FlashAttention's backward without atomics): eager and
 graphed runs then give bitwise-equal losses. Needs CUDA and megatron-core; parameters are bf16 (Megatron's usual
-compute dtype), AdamW steps them directly. ``run(ExampleConfig(...))`` is the same from Python (the GPU tests call
+compute dtype), AdamW steps them directly. With ``--ddp`` under torchrun every run trains inside Megatron's
+``DistributedDataParallel`` (overlapped, bucketed all-reduce into its ``main_grad`` buffers): each rank takes its
+share of each step's batches, and the loss is normalised by the step's global target count, so the summed grads are
+those of one process on the union. ``run(ExampleConfig(...))`` is the same from Python (the GPU tests call
 it); on the CPU it runs eagerly only, for tests that set Megatron up for the CPU themselves.
 """
 
@@ -37,6 +41,7 @@ import torch
 from packgraph import default_buckets
 from packgraph.data.corpus import VOCAB_SIZE, load_corpus
 from packgraph.data.stream import DataStream, split_documents
+from packgraph.distributed import global_token_count, shard_batches
 from packgraph.graphs import loop_stream
 from packgraph.integrations.megatron import get_gpt_layer_packgraph_spec, graph_transformer_layers, to_megatron
 from packgraph.packing import PackedBatch
@@ -63,6 +68,7 @@ class ExampleConfig:
     timing_skip: int = 5  # first steps (captures, allocator warm-up) left out of the median step time
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     dtype: torch.dtype = torch.bfloat16
+    ddp: bool = False  # Megatron's DistributedDataParallel over the job's ranks (each its share of every step)
 
 
 # ---------------------------------------------------------------------------------------------------- Megatron setup
@@ -75,10 +81,14 @@ def megatron_parallel_state(seed: int, *, cudagraphable_rng: bool = False) -> It
 
     started_group = not torch.distributed.is_initialized()
     if started_group:
+        # torchrun's environment when it launched us, else a group of one
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend, rank=0, world_size=1)
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world)
     started_state = not parallel_state.model_parallel_is_initialized()
     if started_state:
         parallel_state.initialize_model_parallel(1, 1)
@@ -111,6 +121,8 @@ def megatron_config(cfg: ExampleConfig, **overrides: Any) -> Any:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
+        # The loss is divided by the global target count: Megatron's DDP must sum the ranks' grads, not average
+        calculate_per_token_loss=cfg.ddp,
         bf16=bf16,
         params_dtype=cfg.dtype,
         use_cpu_initialization=cfg.device == "cpu",
@@ -136,21 +148,41 @@ def build_model(cfg: ExampleConfig, config: Any = None) -> torch.nn.Module:
 
 
 def make_batches(cfg: ExampleConfig, count: int | None = None) -> list[PackedBatch]:
-    """``count`` (default ``cfg.steps``) packed batches of the corpus, in the data stream's seeded order."""
+    """``count`` (default ``cfg.steps``) packed batches of the corpus, in the data stream's seeded order; with
+    ``cfg.ddp``, this rank's share of ``count * world`` of them (batch ``s * world + rank`` at step ``s``)."""
     policy = default_buckets(cfg.T)
     docs = split_documents(
         load_corpus(max_docs=cfg.max_docs), policy.max_seqlen, min_len=cfg.min_chunk_len, seed=cfg.seed
     )
     stream = DataStream(docs, T=cfg.T, policy=policy, seed=cfg.seed)
-    return [next(stream) for _ in range(cfg.steps if count is None else count)]
+    count = cfg.steps if count is None else count
+    if not cfg.ddp:
+        return [next(stream) for _ in range(count)]
+    world = torch.distributed.get_world_size()
+    return list(shard_batches((next(stream) for _ in range(count * world)), torch.distributed.get_rank(), world))
 
 
 # ---------------------------------------------------------------------------------------------------- one run
-def packed_loss(model: torch.nn.Module, batch: PackedBatch, params: Any) -> torch.Tensor:
-    """Mean next-token cross entropy over the rows with a target (no host read: the count stays on the device)."""
+def packed_loss(
+    model: torch.nn.Module, batch: PackedBatch, params: Any, count: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Next-token cross entropy summed over the rows with a target, divided by ``count`` (default: the batch's
+    own target count, a mean). No host read: the count stays on the device."""
     logits = model(batch.tokens[None], batch.position_ids[None], None, packed_seq_params=params)[0]
     per_row = torch.nn.functional.cross_entropy(logits.float(), batch.labels.clamp_min(0), reduction="none")
-    return (per_row * batch.loss_mask).sum() / batch.loss_mask.sum().clamp_min(1.0)
+    return (per_row * batch.loss_mask).sum() / (batch.loss_mask.sum().clamp_min(1.0) if count is None else count)
+
+
+def _megatron_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """Megatron's DistributedDataParallel over every rank, its all-reduce overlapped with the backward in buckets.
+
+    The grads reach its ``main_grad`` buffers through the hooks on each parameter's ``AccumulateGrad``, which a
+    graphed layer's backward fires as an eager one does. They stay in the parameters' dtype so that AdamW can step
+    on them."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=False)
+    return DistributedDataParallel(model.config, ddp_config, model)
 
 
 class _StepClock:
@@ -187,6 +219,7 @@ def train_run(
     model = build_model(cfg)
     model.load_state_dict(initial_state)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=True)
+    step_module = _megatron_ddp(model) if cfg.ddp else model
     params = [to_megatron(b.packed_seq_params.attention_view()) for b in batches]
     if cfg.device != "cpu":
         torch.cuda.synchronize()
@@ -200,8 +233,19 @@ def train_run(
         handle = graph_transformer_layers(model, sample, scope=scope, buckets=policy, max_graphs=policy.num_buckets)
     for batch, p in zip(batches, params, strict=True):
         optimizer.zero_grad(set_to_none=True)
-        loss = packed_loss(model, batch, p)
-        loss.backward()
+        if not cfg.ddp:
+            loss = packed_loss(model, batch, p)
+            loss.backward()
+        else:
+            step_module.zero_grad_buffer()
+            count = global_token_count(batch.num_real_tokens, device=batch.tokens.device)
+            loss = packed_loss(step_module, batch, p, count)
+            loss.backward()  # DDP's hooks launch the bucket all-reduces as the grads arrive
+            step_module.finish_grad_sync()
+            for param in model.parameters():
+                param.grad = param.main_grad
+            loss = loss.detach()
+            torch.distributed.all_reduce(loss)  # the step's loss over every rank's targets
         optimizer.step()
         losses.append(loss.detach())
         clock.mark()
@@ -325,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--scopes", nargs="*", default=list(defaults.scopes), choices=["layer", "attn", "mlp"])
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels (bitwise-equal runs)")
     p.add_argument("--out-dir", default=None, help="write results.json and losses.png here")
+    p.add_argument("--ddp", action="store_true", help="under torchrun: Megatron's DDP, each rank its batches")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this example needs a CUDA device (Megatron-Core and CUDA graphs)")
@@ -341,9 +386,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         seed=args.seed,
         scopes=tuple(args.scopes),
         deterministic=args.deterministic,
+        ddp=args.ddp,
     )
     with megatron_parallel_state(cfg.seed):
-        return run(cfg, out_dir=args.out_dir)
+        first = torch.distributed.get_rank() == 0  # only rank 0 talks and writes
+        return run(cfg, out_dir=args.out_dir if first else None, echo=print if first else None)
 
 
 if __name__ == "__main__":
