@@ -388,8 +388,13 @@ class GraphedCallable:
         return entry.run(dyn)
 
     def _check_stream(self) -> None:
-        current = torch.cuda.current_stream(self._recorded_on.device)
-        if current != self._recorded_on:
+        recorded = self._recorded_on
+        # Once per layer call: the stream's id, without building a Stream object (torch.cuda.current_stream does)
+        ids = getattr(torch._C, "_cuda_getCurrentStream", None)
+        if ids is not None and ids(recorded.device_index)[0] == recorded.stream_id:
+            return
+        current = torch.cuda.current_stream(recorded.device)
+        if current != recorded:
             raise RuntimeError(
                 f"{self.name}: this chained layer stack was recorded on {self._recorded_on} and is called on "
                 f"{current}. A stack recorded from the default stream (on a side stream: CUDA cannot capture on the "
