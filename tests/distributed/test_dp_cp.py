@@ -1,13 +1,14 @@
-"""Data parallel x context parallel on one ``DeviceMesh`` (dp=2, cp=2: 4 gloo ranks), with torch DDP.
+"""Data parallel x context parallel on one ``DeviceMesh`` (dp=2, cp=2: 4 gloo ranks), with torch DDP or FSDP2.
 
 Each data-parallel rank takes its own batch of the step; the two context-parallel ranks of its group shard that
 batch (``shard_thd_for_cp``) and the GPT runs its attention across them (``cp_varlen_attention``, RoPE on global
 positions). Every rank's loss is the sum of cross-entropy over its local targets divided by the step's global
 target count, and DDP sums the gradients over all four ranks (``summing_ddp`` on the whole mesh): context parallel
-ranks hold partial grads of the same batch, data parallel ranks grads of different batches. After each step the
-parameters must equal one process trained eagerly on the union of the step's unsharded batches: eager, and with
-graphed layers on the op-replay stand-in, whose graphs hold the all-gather (forward) and the reduce-scatter
-(backward) of K/V, replayed in order as a CUDA graph replays NCCL's.
+ranks hold partial grads of the same batch, data parallel ranks grads of different batches. FSDP2 shards each block
+and the model over all four ranks alike, and its reduce-scatter sums the same grads (scaled back from its average).
+After each step the parameters must equal one process trained eagerly on the union of the step's unsharded batches:
+eager, and with graphed layers on the op-replay stand-in, whose graphs hold the all-gather (forward) and the
+reduce-scatter (backward) of K/V, replayed in order as a CUDA graph replays NCCL's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from packgraph.distributed import global_token_count, shard_thd_for_cp, summing_ddp
 from packgraph.graphs import use_recorder
@@ -71,7 +74,7 @@ def _reference(batches: list[PackedBatch]) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _worker(rank: int, world: int, init: str, graphed: bool) -> None:
+def _worker(rank: int, world: int, init: str, graphed: bool, engine: str = "ddp") -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
@@ -83,20 +86,31 @@ def _worker(rank: int, world: int, init: str, graphed: bool) -> None:
         batches = _batches(STEPS * DP)
         want = _reference(batches)
         model = _model()
+        scale = 1
+        if engine == "fsdp2":
+            # Sharded over every rank, dp and cp alike (one flat mesh, as torchtitan shards over dp x cp). FSDP2
+            # averages its reduce-scatter: the loss is scaled back up by the world size.
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            scale = world
         with use_recorder(OpReplayRecorder()) if graphed else contextlib.nullcontext():
             blocks = model.graphed(scope="layer") if graphed else None
-            ddp = summing_ddp(_LossSum(model, blocks))  # the whole mesh: dp and cp ranks alike
+            step = _LossSum(model, blocks)
+            # DDP over the whole mesh: dp and cp ranks alike
+            ddp = summing_ddp(step) if engine == "ddp" else step
             opt = torch.optim.SGD(model.parameters(), lr=LR)
             for s in range(STEPS):
                 batch = batches[s * DP + dp_rank]
                 local, params, _ = shard_thd_for_cp(batch, None, cp_rank, CP, cp_group=cp_group)
                 count = global_token_count(int(local.loss_mask.sum()))  # each target counted on one rank
                 opt.zero_grad(set_to_none=True)
-                (ddp(local.tokens, params, local.labels, local.loss_mask) / count).backward()
+                (ddp(local.tokens, params, local.labels, local.loss_mask) * scale / count).backward()
                 opt.step()
                 for n, p in model.named_parameters():
+                    got = p.full_tensor() if isinstance(p, DTensor) else p
                     torch.testing.assert_close(
-                        p.detach(), want[s][n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n, s=s: f"step {s} {n}: {m}"
+                        got.detach(), want[s][n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n, s=s: f"step {s} {n}: {m}"
                     )
             del ddp, blocks  # the reducer before the group (tests/distributed/test_ddp_graphs.py)
             gc.collect()
@@ -105,7 +119,8 @@ def _worker(rank: int, world: int, init: str, graphed: bool) -> None:
 
 
 class _LossSum(torch.nn.Module):
-    """The local loss sum, through the graphed blocks when given: what DDP wraps."""
+    """The local loss sum, through the graphed model when given: what DDP wraps. The graphed model's call runs an
+    FSDP2 root's hooks around the embedding and the head, as the model's own call does."""
 
     def __init__(self, model: GPT, graphed=None) -> None:
         super().__init__()
@@ -114,15 +129,16 @@ class _LossSum(torch.nn.Module):
     def forward(self, tokens, params, labels, mask):
         if self.graphed is None:
             return _loss_sum(self.model, tokens, params, labels, mask)
-        logits = self.model.logits_from_hidden(self.graphed.forward_hidden(tokens, params))
+        logits = self.graphed(tokens, params)
         return (F.cross_entropy(logits.float(), labels.clamp_min(0), reduction="none") * mask).sum()
 
 
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
-def test_dp_times_cp_on_one_mesh_equals_one_process_on_the_union(graphed):
+def test_dp_times_cp_on_one_mesh_equals_one_process_on_the_union(graphed, engine):
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(DP * CP, os.path.join(tmp, "init"), graphed), nprocs=DP * CP,
+        mp.start_processes(_worker, args=(DP * CP, os.path.join(tmp, "init"), graphed, engine), nprocs=DP * CP,
                            start_method=method)  # fmt: skip
 
 
