@@ -31,6 +31,19 @@ TOL = 2e-2  # bf16 against float64, relative over the whole tensor
 OPTIONS = [dict(), dict(window=(63, 0)), dict(softcap=20.0), dict(causal=False, window=(15, 15))]
 
 
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def _errors(got, want, where: str) -> list[tuple[float, str]]:
+    """``(relative error, label)`` per tensor; a NaN counts as infinite (``max`` would pass it over). Against an
+    all-zero reference (a packing with no document) the error is absolute: what should be exact zeros is not."""
+    out = []
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        err = rel_err(g, w) if w.abs().max() > 0 else g.detach().double().abs().max().item()
+        out.append((float("inf") if err != err else err, f"{where} {name}"))
+    return out
+
+
 def _fwd_bwd(fn, q, k, v, params, weight, **options):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out = fn(*leaves, params, **options)
@@ -41,8 +54,8 @@ def _fwd_bwd(fn, q, k, v, params, weight, **options):
 @pytest.mark.parametrize("pad", [1, 8])
 def test_matches_float64_reference_with_grads(options, pad, report):
     compiled = torch.compile(doc_mask_attention, fullgraph=False, dynamic=False)
-    worst = 0.0
-    for lengths in packings(6, seed=7, pad=pad):
+    errors = []
+    for i, lengths in enumerate(packings(6, seed=7, pad=pad)):
         params = make_params(lengths, pad)
         q, k, v = (randn(T, h, D) for h in (HQ, HKV, HKV))
         weight = bf16_weight(T, HQ, D)
@@ -50,10 +63,10 @@ def test_matches_float64_reference_with_grads(options, pad, report):
         want_out, want_grads = float64_reference(q, k, v, params, weight, **options)
         live = live_rows(lengths, pad)
         assert torch.equal(out[~live], torch.zeros_like(out[~live])), "dead rows must be exact zeros"
-        for got, want in zip((out, *grads), (want_out, *want_grads), strict=True):
-            worst = max(worst, rel_err(got, want))
-    report(f"doc_mask {options or 'causal'} pad={pad}: worst rel err vs float64 (out, dq, dk, dv)", f"{worst:.2e}")
-    assert worst <= TOL
+        errors += _errors((out, *grads), (want_out, *want_grads), f"packing {i} ({len(lengths)} docs)")
+    worst, where = max(errors)
+    report(f"doc_mask {options or 'causal'} pad={pad}: worst err vs float64 ({where})", f"{worst:.2e}")
+    assert worst <= TOL, sorted(errors, reverse=True)[:6]
 
 
 def test_one_graph_serves_every_packing(report):
@@ -72,12 +85,12 @@ def test_one_graph_serves_every_packing(report):
         return out
 
     graph, static_out, grads = capture_training_step(step, (q, k, v))
-    worst = 0.0
-    for lengths in cases:
+    errors = []
+    for i, lengths in enumerate(cases):
         params = make_params(lengths, pad)
         replay_on(graph, static, params, (q, k, v))
-        want_out, want_grads = _fwd_bwd(doc_mask_attention, q, k, v, params, weight)
-        for got, want in zip((static_out, *grads), (want_out, *want_grads), strict=True):
-            worst = max(worst, rel_err(got, want))
-    report("doc_mask: one graph over 8 packings, worst rel err vs eager (out, dq, dk, dv)", f"{worst:.2e}")
-    assert worst <= 1e-2
+        want_out, want_grads = _fwd_bwd(compiled, q, k, v, params, weight)
+        errors += _errors((static_out, *grads), (want_out, *want_grads), f"packing {i} ({len(lengths)} docs)")
+    worst, where = max(errors)
+    report(f"doc_mask: one graph over 8 packings, worst err vs the compiled call ({where})", f"{worst:.2e}")
+    assert worst <= 1e-2, sorted(errors, reverse=True)[:6]

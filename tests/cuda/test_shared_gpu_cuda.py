@@ -6,7 +6,8 @@ on the graphs' capture stream failed: with the GPU shared, graphed losses turned
 alone they were eager's bit for bit. Graphs now replay on the caller's stream, and packgraph's loops run on one
 stream (packgraph.graphs.streams). Both paths run here with a second process saturating the GPU with matmuls: the
 demo (``packgraph train``'s loop, on a loop stream) and a plain loop on the default stream with unchained graphs
-(recorded on a side stream, replayed on the caller's); a chained stack refuses the default stream.
+(recorded on a side stream, replayed on the caller's); a chained stack refuses the default stream. The chained
+stacks' grad slots, allocated on a stream of their own, are lent without writing on it.
 """
 
 from __future__ import annotations
@@ -114,3 +115,31 @@ def test_a_chained_stack_refuses_a_stream_it_was_not_recorded_on():
     graphed = model.graphed(scope="layer")
     with pytest.raises(RuntimeError, match="loop_stream"):
         graphed(batch)
+
+
+def test_a_lent_grad_slot_block_is_written_on_the_callers_stream_only(report):
+    """The chained stacks' hidden-state grad slots are allocated on a stream of their own (packgraph.graphs.slots)
+    and used on the caller's. Under deterministic algorithms torch.empty fills new memory with a kernel on the
+    stream it allocates on: that fill ran in no order with the backward replays, and on a busy GPU it landed in the
+    middle of one, turning the grads NaN (test_gpt_cuda's deterministic runs under gpu-check --jobs 4). Here the
+    slots' stream is held back by a sleep when the block is lent: a value the caller writes right after must
+    survive."""
+    from packgraph.graphs import slots
+
+    like = torch.empty(2048, 256, device="cuda")
+    block = slots._Block(like)
+    try:
+        with deterministic_kernels(True):
+            assert torch.utils.deterministic.fill_uninitialized_memory  # torch.empty fills under these
+            block.owner = None  # given back before a forward
+            with torch.cuda.stream(block.stream):
+                torch.cuda._sleep(200_000_000)  # ~0.1 s: anything queued there now runs late
+            block.lend()
+            for static in block.statics:
+                static.fill_(1.0)
+            torch.cuda.synchronize()
+        kept = all(bool((s == 1.0).all()) for s in block.statics)
+        report("grad slots: a lend on a held-back stream kept the caller's writes", kept)
+        assert kept, "the lend wrote the slots on the slots' own stream after the caller's writes"
+    finally:
+        block.close()

@@ -45,12 +45,15 @@ def _train(
     ``fsdp2``, accelerate shards each decoder layer and the model with FSDP2 over NCCL."""
     on_cpu = device == "cpu"
     fsdp = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    # several ranks on one GPU reduce over gloo; a backend given to a single process makes accelerate look for a
+    # process group that does not exist
+    shared_gpu = not on_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1
     args = transformers.TrainingArguments(
         output_dir=str(out), use_cpu=on_cpu, per_device_train_batch_size=1, gradient_accumulation_steps=accumulate,
         max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch", save_strategy="no",
         report_to=[], disable_tqdm=True, seed=0, dataloader_num_workers=0, logging_steps=1,
         **({"gradient_checkpointing": True} if checkpointing else {}),  # the name transformers 5.17 knows
-        **(fsdp if fsdp2 else {} if on_cpu else {"ddp_backend": "gloo"}),
+        **(fsdp if fsdp2 else {"ddp_backend": "gloo"} if shared_gpu else {}),
     )  # fmt: skip
     trainer = PackgraphTrainer(
         model=tiny_model("llama").train(), args=args, train_dataset=_rows(), total_tokens=TOTAL, buckets=POLICY,
@@ -62,6 +65,8 @@ def _train(
         assert trainer.packgraph_layers is not None and trainer.packgraph_layers.graphed
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     model = trainer.accelerator.unwrap_model(trainer.model)
+    if fsdp2:  # accelerate sharded the model: its parameters are DTensors
+        assert all(type(p).__name__ == "DTensor" for p in model.parameters()), "FSDP2 was not applied"
     params = {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in model.named_parameters()}
     return losses, params
 

@@ -20,7 +20,9 @@ fails loudly instead of passing where CUDA makes no promise about the contents.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,6 +88,21 @@ def _span_bytes(like: Tensor) -> int:
     return (last + 1) * like.element_size()
 
 
+@contextlib.contextmanager
+def _no_memory_fill() -> Iterator[None]:
+    """``torch.utils.deterministic.fill_uninitialized_memory`` off in the block (it fills only under deterministic
+    algorithms)."""
+    deterministic = getattr(torch.utils, "deterministic", None)
+    if deterministic is None or not getattr(deterministic, "fill_uninitialized_memory", False):
+        yield
+        return
+    deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        deterministic.fill_uninitialized_memory = True
+
+
 def _lending_api() -> bool:
     return hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
 
@@ -116,8 +133,15 @@ class _Block:
                 s.zero_()
 
     def _allocate(self, nbytes: int | None = None) -> Tensor:
-        with torch.cuda.use_mem_pool(self.pool, self.device), torch.cuda.stream(self.stream):
-            return torch.empty(nbytes or self.nbytes, dtype=torch.uint8, device=self.device)
+        # Allocated on the block's own stream, but written and read by the graphs on the caller's, in no order with
+        # it: nothing may run on that stream. With deterministic algorithms on, torch.empty fills new memory (0xFF
+        # bytes here) with a kernel on the current stream, which a busy GPU ran in the middle of the next backward
+        # replay, turning the hidden-state grads to NaN. The graphs write every slot before they read it, so the
+        # fill is skipped; and the caller's stream waits for the block's, should anything else ever run there.
+        with _no_memory_fill(), torch.cuda.use_mem_pool(self.pool, self.device), torch.cuda.stream(self.stream):
+            block = torch.empty(nbytes or self.nbytes, dtype=torch.uint8, device=self.device)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return block
 
     def _view(self, like: Tensor, k: int) -> Tensor:
         # A storage over the slot's bytes that does not own them: the block's owner tensor does, while lent.

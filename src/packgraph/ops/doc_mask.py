@@ -105,7 +105,9 @@ def doc_mask_attention(
     total = q.shape[0]
     block_mask, live = document_block_mask(packed_seq_params, total, q.device, causal=causal, window=window)
     # Rows of no document could hold anything (NaN from a diverged run): a partly masked block still multiplies
-    # their values by a zero probability, so they are zeroed first, as FlashAttention never reads them.
+    # their values by a zero probability, so they are zeroed first, as FlashAttention never reads them. Their
+    # queries too, so that their grads are exact zeros whatever the kernel does with a row that sees no key.
+    q = torch.where(live.view(total, 1, 1), q, torch.zeros((), dtype=q.dtype, device=q.device))
     k = torch.where(live.view(total, 1, 1), k, torch.zeros((), dtype=k.dtype, device=k.device))
     v = torch.where(live.view(total, 1, 1), v, torch.zeros((), dtype=v.dtype, device=v.device))
 
