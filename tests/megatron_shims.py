@@ -5,7 +5,8 @@ Megatron-Core assumes CUDA in a few places that a CPU test reaches:
 * ``torch.cuda.current_device()``: RotaryEmbedding moves ``inv_freq`` there, the global memory buffer that
   ``DotProductAttention`` multiplies into allocates there, and so do a few tensor-parallel buffers;
 * the default causal mask of ``FusedScaleMaskSoftmax`` is built with ``device="cuda"``;
-* the RNG tracker (``get_cuda_rng_tracker().fork()``) keeps CUDA generator states.
+* the RNG tracker (``get_cuda_rng_tracker().fork()``) keeps CUDA generator states, and so does the activation
+  checkpoint of full recomputation, which saves and restores the CUDA generator's state around its re-run.
 
 :func:`megatron_on_cpu` patches exactly these for the duration of a ``with`` block (the tests use it in a
 module-scoped fixture) and sets up a one-rank gloo process group with model parallel sizes 1 (Megatron's groups on
@@ -75,6 +76,9 @@ def megatron_on_cpu() -> Iterator[None]:
         mp.setattr(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
         mp.setattr(tp_random, "_CUDA_RNG_STATE_TRACKER", _CpuRngTracker())
         mp.setattr(tp_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+        # the CPU generator's state is saved and restored beside these by the checkpoint itself
+        mp.setattr(tp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.empty(0), raising=False)
+        mp.setattr(tp_random, "_set_cuda_rng_state", lambda *args, **kwargs: None, raising=False)
         if not torch.distributed.is_initialized():
             mp.setenv("MASTER_ADDR", "127.0.0.1")
             mp.setenv("MASTER_PORT", str(_free_port()))

@@ -109,6 +109,29 @@ def test_graphed_layers_equal_eager(scope):
     _assert_same_steps(graphed, eager, batches)
 
 
+@pytest.mark.parametrize("recorder", ["eager", "op-replay"])
+def test_full_recomputation_runs_inside_the_graphs(recorder):
+    """``recompute_granularity="full"``: eager Megatron re-runs each layer in the backward (its block checkpoints
+    them); graphed, each layer's backward graph recomputes it instead, with the same logits and grads. The block's
+    own recomputation is off while the layers are graphed, and back after ``remove()``."""
+    from tests.eager_recorder import OpReplayRecorder
+
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    graphed, eager = _twins(lambda: _gpt(**full))
+    batches = _packings(3, seed=6)
+    stand_in = EagerRecorder() if recorder == "eager" else OpReplayRecorder()
+    with use_recorder(stand_in):
+        handle = graph_transformer_layers(graphed, batches[0].packed_seq_params, buckets=default_buckets(T))
+        assert all(g.recompute for g in handle.graphed)
+        assert graphed.decoder.config.recompute_granularity is None
+        assert graphed.decoder.layers[0].config.recompute_granularity == "full"
+        _assert_same_steps(graphed, eager, batches)
+    handle.remove()
+    assert graphed.decoder.config.recompute_granularity == "full"
+    with pytest.raises(NotImplementedError, match="use scope='layer'"), use_recorder(EagerRecorder()):
+        graph_transformer_layers(graphed, batches[0].packed_seq_params, scope="attn")
+
+
 def test_megatron_params_sample_and_padded_layouts():
     graphed, eager = _twins(lambda: _gpt(num_query_groups=1))
     batches = _packings(3, seed=3, pad=4)

@@ -83,17 +83,17 @@ def _batches(world: int, micro: int) -> list[PackedBatch]:
     return out
 
 
-def _config():
+def _config(**extra):
     # The grads must be summed over the ranks. With calculate_per_token_loss Megatron's DDP scales nothing before
     # the reduction and reduces with SUM (gradient_scaling_factor 1.0; it refuses average_in_collective then).
     # Without it, each rank's main_grad is multiplied by 1/dp before a SUM (or reduced with AVG under
     # average_in_collective): an average, which a loss scaled by dp would undo only up to rounding where dp is not
     # a power of two.
-    return tiny_config(calculate_per_token_loss=True)
+    return tiny_config(calculate_per_token_loss=True, **extra)
 
 
-def _model(device: str = "cpu"):
-    return gpt_model(get_gpt_layer_packgraph_spec(), _config(), seed=1).to(device)
+def _model(device: str = "cpu", **config):
+    return gpt_model(get_gpt_layer_packgraph_spec(), _config(**config), seed=1).to(device)
 
 
 def _ddp(model, options: dict):
@@ -177,9 +177,10 @@ def _worker(rank: int, world: int, init: str, case: dict) -> None:
         with megatron_on_cpu():  # on the world-size group started above: Megatron's data-parallel group is all ranks
             batches = _batches(world, case.get("micro", 1))
             want = _reference(batches, world, case.get("micro", 1))
-            eager, eager_launched = _train(_ddp(_model(), case["ddp"]), batches, rank, world, case)
+            config = case.get("config", {})
+            eager, eager_launched = _train(_ddp(_model(**config), case["ddp"]), batches, rank, world, case)
 
-            model = _model()
+            model = _model(**config)
             scope = case.get("scope", "layer")
             with use_recorder(RECORDERS[case["recorder"]]()):
                 ddp = _ddp(model, case["ddp"]) if case.get("wrap_first") else None
@@ -250,6 +251,14 @@ def test_graphs_captured_inside_megatron_ddp(ddp):
 def test_attention_or_mlp_scope(scope, recorder):
     """Only ``self_attention`` or ``mlp`` graphed: the norms, residuals and the rest stay eager under DDP."""
     _run(2, ddp="overlap-buckets", recorder=recorder, scope=scope, micro=2)
+
+
+@pytest.mark.parametrize("ddp", ["sync", "overlap-buckets"])
+def test_full_recomputation_inside_the_graphs_under_megatron_ddp(ddp):
+    """``recompute_granularity="full"``: eager Megatron DDP re-runs each layer in its backward through Megatron's
+    checkpoint; graphed, each layer's backward graph recomputes it. Bitwise the same parameters and ``main_grad``."""
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    _run(2, ddp=ddp, micro=2, config=full)
 
 
 def test_refuses_gradient_accumulation_fusion():

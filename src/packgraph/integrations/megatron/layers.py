@@ -18,6 +18,7 @@ sync; once per params object, not per layer) and back to Megatron's class inside
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -103,12 +104,19 @@ class GraphedTransformerLayers:
     graphed: list[Any]
     scope: str
     rows: int
+    # With full recomputation: the decoder block and its own config, given back by remove()
+    block_config: tuple[nn.Module, Any] | None = None
 
     def remove(self) -> None:
-        """Restore every target's original forward (the graphs and their memory go with the callables)."""
+        """Restore every target's original forward (the graphs and their memory go with the callables), and the
+        decoder block's recomputation."""
         for target in self.targets:
             if "forward" in target.__dict__:
                 del target.forward
+        if self.block_config is not None:
+            block, config = self.block_config
+            block.config = config
+            self.block_config = None
         self.graphed = []
 
     @property
@@ -164,8 +172,14 @@ def graph_transformer_layers(
     Returns:
         a :class:`GraphedTransformerLayers` handle; ``.remove()`` undoes it.
 
+    Full activation recomputation (``recompute_granularity="full"``) runs inside the graphs: the layers are
+    captured with ``recompute=True`` (each forward graph keeps only its inputs, each backward graph recomputes the
+    layer's forward first), and the decoder block, which would otherwise re-run groups of layers in the backward
+    outside their graphs, runs them plainly until ``remove()``. The grads are those of Megatron's recomputation;
+    the memory is that of one layer recomputed at a time (``recompute_method="uniform"``, one layer per group).
+
     Raises:
-        ValueError: unknown scope, no layers, layers already graphed. NotImplementedError: activation
+        ValueError: unknown scope, no layers, layers already graphed. NotImplementedError: selective
             recomputation, Megatron's own CUDA graphs on, ``gradient_accumulation_fusion``, context parallel
             size > 1.
     """
@@ -195,7 +209,22 @@ def graph_transformer_layers(
     opts = dict(capture_options, chain=scope == "layer" and len(targets) == len(layers))
     if buckets is not None:
         opts["buckets"] = buckets
+    if model.config.recompute_granularity == "full":
+        if scope != "layer":
+            raise NotImplementedError(
+                f"graph_transformer_layers: recompute_granularity='full' recomputes whole layers, which scope "
+                f"{scope!r} does not graph; use scope='layer'"
+            )
+        opts.setdefault("recompute", True)
     handle.graphed = list(capture_layers(adapters, sample, **opts))
+    if opts.get("recompute") and model.config.recompute_granularity == "full":
+        # The block's own recomputation would re-run the graphed layers outside their graphs: it sees a copy of
+        # the config without it (the layers keep theirs).
+        block = model.decoder
+        plain = copy.copy(block.config)
+        plain.recompute_granularity = None
+        handle.block_config = (block, block.config)
+        block.config = plain
     for target, adapter, graphed in zip(targets, adapters, handle.graphed, strict=True):
         target.forward = _graphed_forward(adapter, graphed, boundary)
     return handle
@@ -310,10 +339,11 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def _check_model(model: nn.Module, layers: Sequence[nn.Module]) -> None:
     config = model.config
-    if getattr(config, "recompute_granularity", None) is not None:
+    if getattr(config, "recompute_granularity", None) not in (None, "full"):
         raise NotImplementedError(
-            f"graph_transformer_layers: recompute_granularity={config.recompute_granularity!r} re-runs layers in the "
-            "backward, outside their graphs; set it to None (graphs keep activations in their pool)"
+            f"graph_transformer_layers: recompute_granularity={config.recompute_granularity!r} checkpoints parts of "
+            "a layer with Megatron's RNG-tracking checkpoint, which a graph cannot capture; use 'full' (each graphed "
+            "layer then recomputes inside its backward graph) or None"
         )
     impl = getattr(config, "cuda_graph_impl", "none")
     if getattr(config, "enable_cuda_graph", False) or impl not in (None, "none"):
