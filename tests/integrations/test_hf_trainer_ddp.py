@@ -3,10 +3,11 @@ torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``), accel
 over gloo, and the decoder layers are graphed on the op-replay stand-in (it replays the recorded aten ops and no
 Python, as a CUDA graph does).
 
-The reference is one process with ``gradient_accumulation_steps=2`` on the same rows: accelerate hands rank ``r``
-batch ``r`` of every pair of the (seeded, shared) sampler's order, which is the pair one process accumulates, and
-``Trainer`` normalises the loss by the target tokens of the step across the ranks (``average_tokens_across_devices``).
-Both runs, graphed and packed eager, must give the same per-step losses and final parameters.
+On 2 and 4 ranks. The reference is one process with ``gradient_accumulation_steps`` equal to the world size on the
+same rows: accelerate hands rank ``r`` batch ``r`` of every group of ``world`` in the (seeded, shared) sampler's
+order, which is the group one process accumulates, and ``Trainer`` normalises the loss by the target tokens of the
+step across the ranks (``average_tokens_across_devices``). Both runs, graphed and packed eager, must give the same
+per-step losses and final parameters.
 """
 
 import contextlib
@@ -33,7 +34,7 @@ LENGTHS = (5, 17, 1, 9, 12, 26, 30, 2, 7, 11, 20, 13, 8, 3, 25, 14, 6, 19, 4, 10
 
 
 def _rows():
-    examples = [{"input_ids": d.tolist()} for d in documents(LENGTHS * 2, seed=5)]
+    examples = [{"input_ids": d.tolist()} for d in documents(LENGTHS * 3, seed=5)]
     return pack_dataset(examples, TOTAL, buckets=POLICY)
 
 
@@ -93,17 +94,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("graphs,checkpointing", [(False, False), (True, False), (True, True)])
-def test_two_processes_equal_one_accumulating_two_batches(tmp_path, graphs, checkpointing):
+@pytest.mark.parametrize(
+    "world,graphs,checkpointing", [(2, False, False), (2, True, False), (2, True, True), (4, True, False)]
+)
+def test_ranks_equal_one_process_accumulating_their_batches(tmp_path, world, graphs, checkpointing):
     """With ``gradient_checkpointing=True`` each graphed layer recomputes inside its backward graph."""
-    assert len(_rows()) >= 2 * STEPS  # no epoch ends within the run: the samplers of both runs stay in step
+    assert len(_rows()) >= world * STEPS  # no epoch ends within the run: the samplers of both runs stay in step
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     mp.start_processes(
-        _rank, args=(2, _free_port(), str(tmp_path), graphs, checkpointing), nprocs=2, start_method=method
+        _rank, args=(world, _free_port(), str(tmp_path), graphs, checkpointing), nprocs=world, start_method=method
     )
-    want_losses, want_params = _train(tmp_path / "one", graphs=False, accumulate=2)
+    want_losses, want_params = _train(tmp_path / "one", graphs=False, accumulate=world)
     assert len(want_losses) == STEPS
-    for rank in range(2):
+    for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
         for name, p in want_params.items():
