@@ -59,11 +59,12 @@ def _worker(rank: int, world: int, init: str, case: dict) -> None:
 
         model = _sharded_model()
         with use_recorder(RECORDERS[case["recorder"]]()):
-            graphed = model.graphed(scope=case["scope"])
+            graphed = model.graphed(scope=case["scope"], **case.get("graph", {}))
             _train_steps(model, graphed, batches, want, rank, world, micro, full=DTensor.full_tensor)
             # one capture per layer: the copies are refreshed in place, never a reason to capture again
             assert [g.captures for g in graphed.callables] == [1] * len(model.blocks)
             assert all(g.copies_params for g in graphed.callables)
+            assert all(g.recompute == case.get("graph", {}).get("recompute", False) for g in graphed.callables)
     finally:
         dist.destroy_process_group()
 
@@ -81,6 +82,13 @@ def test_graphed_fsdp2_units_train_as_one_process_on_the_union(scope):
 
 def test_graphed_fsdp2_on_four_ranks_with_micro_batches():
     _spawn(4, {"scope": "layer", "recorder": "op-replay", "micro": 2})
+
+
+@pytest.mark.parametrize("scope", ["layer", "attn"])
+def test_graphed_fsdp2_units_with_recomputation_inside_the_graphs(scope):
+    """Each graphed unit recomputes its forward inside its backward graph (``recompute=True``), between FSDP2's
+    gathers."""
+    _spawn(2, {"scope": scope, "recorder": "op-replay", "graph": {"recompute": True}, "micro": 2})
 
 
 def test_graphed_fsdp2_with_the_rerunning_stand_in():
