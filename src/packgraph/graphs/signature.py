@@ -39,8 +39,8 @@ from packgraph.params import (
     PackedSeqParams,
     ParamsType,
     StaticSignature,
-    _version_of,
     params_type_of,
+    tensor_version,
 )
 
 __all__ = [
@@ -238,7 +238,7 @@ class PreparedParams:
 
 
 def _versions(tensors: Sequence[Tensor]) -> tuple[int, ...] | None:
-    versions = tuple(_version_of(t) for t in tensors)
+    versions = tuple(tensor_version(t) for t in tensors)
     return None if None in versions else versions  # inference tensors have no version counter
 
 
