@@ -19,7 +19,7 @@ from torch import Tensor
 from packgraph import slot_boundary
 from packgraph.params import DYNAMIC_FIELDS, PackedSeqParams
 
-__all__ = ["Bucket", "BucketPolicy", "default_buckets", "geometric_ladder"]
+__all__ = ["document_mask_buckets", "Bucket", "BucketPolicy", "default_buckets", "geometric_ladder"]
 
 _REAL_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv")
 
@@ -43,14 +43,19 @@ class BucketPolicy:
         max_seqlen_ladder: allowed static ``max_seqlen`` values, strictly increasing positive ints.
         capacity_ladder: allowed capacities (``cu_seqlens`` slots), strictly increasing positive ints.
 
+        flash_kernels: the layers run FlashAttention (``varlen_attention``'s ``"flash"`` backend, the default).
+            ``False`` for the document-mask backend, whose kernel does not switch with the slot count.
+
     The number of buckets (hence of graphs a training run may capture) is the product of the ladder lengths.
     With :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` set to ``m`` at construction, a capacity ladder
     with rungs of ``m`` or more gets a rung of ``m - 1`` when it lacks one (:func:`~packgraph.slot_boundary.
-    with_boundary_rung`), so that no bucket holds batches on both sides of the attention kernel's switch.
+    with_boundary_rung`), so that no bucket holds batches on both sides of the attention kernel's switch; unless
+    ``flash_kernels`` is ``False``.
     """
 
     max_seqlen_ladder: tuple[int, ...]
     capacity_ladder: tuple[int, ...]
+    flash_kernels: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_seqlen_ladder", "capacity_ladder"):
@@ -63,7 +68,7 @@ class BucketPolicy:
                 raise ValueError(f"BucketPolicy.{name} must be positive, got {ladder}")
             if any(b <= a for a, b in zip(ladder, ladder[1:], strict=False)):
                 raise ValueError(f"BucketPolicy.{name} must be sorted and unique (strictly increasing), got {ladder}")
-            if name == "capacity_ladder":
+            if name == "capacity_ladder" and self.flash_kernels:
                 ladder = slot_boundary.with_boundary_rung(ladder)
             object.__setattr__(self, name, ladder)
 
@@ -112,7 +117,8 @@ class BucketPolicy:
                 f"no bucket fits max_seqlen={max_seqlen}: the largest max_seqlen rung is {self.max_seqlen}; add a "
                 f"rung >= {max_seqlen} or truncate documents to {self.max_seqlen} tokens"
             )
-        slot_boundary.check_capacity_ladder(self.capacity_ladder)
+        if self.flash_kernels:
+            slot_boundary.check_capacity_ladder(self.capacity_ladder)
         capacity = next((v for v in self.capacity_ladder if v >= num_seqs), None)
         if capacity is None:
             raise ValueError(
@@ -124,7 +130,10 @@ class BucketPolicy:
     def bucket_of(self, params: PackedSeqParams) -> Bucket:
         """The bucket ``params`` belong in (see :meth:`apply` for where the true values come from)."""
         max_seqlen, num_seqs, _ = _true_extent(params)
-        return self.bucket_for(max_seqlen, slot_boundary.bucket_slots(params.capacity, num_seqs))
+        return self.bucket_for(max_seqlen, self._slots(params.capacity, num_seqs))
+
+    def _slots(self, capacity: int, num_seqs: int) -> int:
+        return slot_boundary.bucket_slots(capacity, num_seqs) if self.flash_kernels else num_seqs
 
     def apply(self, params: PackedSeqParams) -> PackedSeqParams:
         """Return ``params`` re-padded to their bucket: graph-safe, no host sync.
@@ -148,7 +157,7 @@ class BucketPolicy:
             ValueError: no bucket fits (see :meth:`bucket_for`).
         """
         max_seqlen, num_seqs, host = _true_extent(params)
-        bucket = self.bucket_for(max_seqlen, slot_boundary.bucket_slots(params.capacity, num_seqs))
+        bucket = self.bucket_for(max_seqlen, self._slots(params.capacity, num_seqs))
         resized: dict[int, Tensor] = {}
         changes: dict[str, Any] = {}
         for name in DYNAMIC_FIELDS:
@@ -204,6 +213,16 @@ def default_buckets(total_tokens: int) -> BucketPolicy:
     if 1 < total_tokens <= _LONE_DOCUMENT_RUNG_UP_TO:
         capacities = (1, *capacities)
     return BucketPolicy(geometric_ladder(256, total_tokens, 4), capacities)
+
+
+def document_mask_buckets(total_tokens: int) -> BucketPolicy:
+    """One bucket for every batch of ``total_tokens`` rows, for layers on the document-mask attention backend
+    (``varlen_attention(..., backend="doc_mask")``): its launch depends on ``T`` only, so the largest rungs cost it
+    nothing, and a layer needs one graph for every packing. ``max_seqlen`` is ``total_tokens`` and the capacity
+    too (the most documents ``total_tokens`` rows can hold, one token each)."""
+    if total_tokens < 1:
+        raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
+    return BucketPolicy((total_tokens,), (total_tokens,), flash_kernels=False)
 
 
 # The largest T whose single-document batches get a capacity rung of their own. docs/buckets.md: at T=2048 a lone

@@ -94,3 +94,35 @@ def test_one_graph_serves_every_packing(report):
     worst, where = max(errors)
     report(f"doc_mask: one graph over 8 packings, worst err vs the compiled call ({where})", f"{worst:.2e}")
     assert worst <= 1e-2, sorted(errors, reverse=True)[:6]
+
+
+@pytest.mark.parametrize("scope", ["layer", "attn"])
+def test_a_graphed_gpt_on_the_doc_mask_backend_needs_one_graph_per_layer(scope, report):
+    """A GPT with ``attention_backend="doc_mask"``, graphed under ``document_mask_buckets(T)``, over the packings of
+    test_gpt_cuda (corpus batches of several FlashAttention buckets, a padded layout, a full bin, 1-token
+    documents): one graph set for all of them, and the losses and grads of the same model run eagerly."""
+    from packgraph.buckets import document_mask_buckets
+    from packgraph.models.gpt import GPT, GPTConfig
+    from tests.cuda.test_gpt_cuda import GRAD_RTOL, LOSS_ATOL, loss_and_grads, packings
+    from tests.cuda.test_gpt_cuda import T as GPT_T
+
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset("tiny", d_model=128, n_layer=3, n_head=4, n_kv_head=2, attention_backend="doc_mask")
+    model = GPT(cfg).cuda()
+    graphed = model.graphed(scope=scope, buckets=document_mask_buckets(GPT_T))
+    worst_loss = worst_grad = 0.0
+    batches = packings()
+    for batch in batches:
+        batch = batch.to("cuda")
+        eager_loss, eager_grads = loss_and_grads(model, model, batch)
+        g_loss, g_grads = loss_and_grads(model, graphed, batch)
+        assert torch.isfinite(g_loss)
+        worst_loss = max(worst_loss, float((g_loss - eager_loss).abs()))
+        for name, e in eager_grads.items():
+            scale = float(e.abs().max()) + 1e-6
+            worst_grad = max(worst_grad, float((g_grads[name] - e).abs().max()) / scale)
+    report(f"doc_mask GPT graphed[{scope}] vs eager over {len(batches)} packings: max |loss diff|", worst_loss)
+    report(f"doc_mask GPT graphed[{scope}] vs eager: max grad diff / max |grad|", worst_grad)
+    report(f"doc_mask GPT graphed[{scope}]: graph sets", graphed.num_graph_sets)
+    assert worst_loss <= LOSS_ATOL and worst_grad <= GRAD_RTOL
+    assert graphed.num_graph_sets == 1

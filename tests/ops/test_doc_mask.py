@@ -1,6 +1,6 @@
 """Document-mask attention (FlexAttention with a block mask built from the offsets) against the exact reference,
-forward only: torch's FlexAttention has no backward on the CPU. Grads, speed and CUDA-graph capture are the GPU's
-to check (issue #36)."""
+forward only: torch's FlexAttention has no backward on the CPU (tests/cuda/test_doc_mask_cuda.py has the grads and
+the CUDA graph). Also as ``varlen_attention``'s ``"doc_mask"`` backend, in a GPT, and its one-bucket policy."""
 
 import pytest
 import torch
@@ -88,3 +88,80 @@ def test_refuses_cross_attention_by_name():
     q, k, v, params = _case("plain", 4, 2)
     with pytest.raises(ValueError, match="use varlen_attention"):
         doc_mask_attention(q[:40], k, v, params)
+
+
+# ---------------------------------------------------------------------------------------------------- as a backend
+def _count_doc_mask_calls(monkeypatch) -> list:
+    import packgraph.ops.attention as attention
+
+    calls, real = [], attention.doc_mask_attention
+    monkeypatch.setattr(attention, "doc_mask_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    return calls
+
+
+def test_varlen_attention_backend_doc_mask_equals_the_flash_backend(monkeypatch):
+    """``varlen_attention(..., backend="doc_mask")`` against the default backend (the reference on the CPU), with
+    the options it takes; the window goes through varlen_attention's own checks first (causal makes its right 0)."""
+    from packgraph.ops import varlen_attention
+
+    calls = _count_doc_mask_calls(monkeypatch)
+    q, k, v, params = _case("padded", 4, 2)
+    for options in (dict(), dict(window=(7, 3)), dict(causal=False, window=(3, 5), softcap=4.0)):
+        with torch.no_grad():
+            got = varlen_attention(q, k, v, params, backend="doc_mask", **options)
+            want = varlen_attention(q, k, v, params, **options)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=str(options))
+    assert len(calls) == 3 and calls[1]["window"] == (7, 0)
+
+
+def test_the_backend_refuses_what_it_cannot_run_by_name():
+    from packgraph.ops import varlen_attention
+
+    q, k, v, params = _case("plain", 4, 2)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        varlen_attention(q, k, v, params, backend="cudnn")
+    with pytest.raises(NotImplementedError, match="no attention sinks; use backend='flash'"):
+        varlen_attention(q, k, v, params, backend="doc_mask", sinks=torch.zeros(4, dtype=q.dtype))
+    separate = params.replace(cu_seqlens_kv=params.cu_seqlens_q.clone())  # equal values, another tensor
+    with pytest.raises(ValueError, match="same cu_seqlens tensor"):
+        varlen_attention(q, k, v, separate, backend="doc_mask")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with pytest.raises(NotImplementedError, match="forward passes only on the CPU"):
+        varlen_attention(*leaves, params, backend="doc_mask")
+
+
+def test_document_mask_buckets_put_every_packing_in_one_bucket():
+    """No rung for FlashAttention's kernel switch (the document mask has none): batches of 1 to T documents, of
+    any length, share one bucket, hence one graph per layer."""
+    from packgraph.buckets import BucketPolicy, default_buckets, document_mask_buckets
+
+    policy = document_mask_buckets(T)
+    assert policy.num_buckets == 1 and policy.capacity_ladder == (T,) and not policy.flash_kernels
+    buckets = set()
+    for lengths in ([80], [1] * 80, [5, 17, 1, 9, 12, 26], [40, 40], [3, 0, 0, 5]):
+        params = PackedSeqParams.from_seqlens(lengths, total_tokens=T, max_seqlen=80)
+        bucketed = policy.apply(params)
+        assert bucketed.capacity == T and bucketed.max_seqlen_q == T
+        buckets.add(policy.bucket_of(params))
+    assert len(buckets) == 1
+    assert BucketPolicy((256,), (512,)).capacity_ladder == (128, 512)  # FlashAttention's switch gets its rung
+    assert default_buckets(T).num_buckets > 1
+    with pytest.raises(ValueError, match="total_tokens must be >= 1"):
+        document_mask_buckets(0)
+
+
+def test_a_gpt_on_the_doc_mask_backend_equals_the_flash_backend(monkeypatch):
+    from packgraph.models.gpt import GPT, GPTConfig
+
+    calls = _count_doc_mask_calls(monkeypatch)
+    cfg = dict(vocab_size=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32)
+    flash = GPT(GPTConfig(**cfg)).double()
+    doc_mask = GPT(GPTConfig(**cfg, attention_backend="doc_mask")).double()
+    doc_mask.load_state_dict(flash.state_dict())
+    _, _, _, params = _case("padded", 4, 2)
+    tokens = torch.randint(0, 32, (T,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(doc_mask(tokens, params), flash(tokens, params), rtol=1e-10, atol=1e-12)
+    assert len(calls) == 2  # one per layer
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        GPTConfig(**cfg, attention_backend="sdpa")

@@ -9,6 +9,8 @@ the model and what runs it:
 ``eager``                    exact ``cu_seqlens`` (capacity = documents) and the true ``max_seqlen``
 ``packgraph``                ``model.graphed(scope="layer")`` (``capture_layers``), default buckets
 ``packgraph-model``          ``model.graphed(scope="model")``: forward and backward of the whole loss, bucketed
+``packgraph-docmask``        ``packgraph`` on the document-mask attention backend (FlexAttention, compiled), with
+                             ``document_mask_buckets(T)``: one graph set for every batch
 ``packgraph+compile``        each block ``torch.compile`` d (``mode="default"``, fusion), then captured by packgraph
 ``packgraph-model+compile``  the whole model ``torch.compile`` d (``mode="default"``), captured with scope
                              ``"model"``: compile-RO's fusion (embedding, head and loss too) with packgraph's graphs
@@ -44,7 +46,7 @@ from torch import Tensor
 from torch._dynamo.utils import counters
 
 from packgraph.bench.padded import PaddedBatch, padded_batch, padded_loss
-from packgraph.buckets import BucketPolicy
+from packgraph.buckets import BucketPolicy, document_mask_buckets
 from packgraph.models.gpt import GPT
 from packgraph.packing import PackedBatch
 
@@ -73,11 +75,12 @@ METHODS: tuple[str, ...] = (
 still has the comparisons that matter most."""
 
 DP_METHODS: tuple[str, ...] = ("eager-ddp", "packgraph-ddp", "packgraph-allreduce")
-ALL_METHODS: tuple[str, ...] = (*METHODS, "padded-mask", *DP_METHODS)
+ALL_METHODS: tuple[str, ...] = (*METHODS, "padded-mask", "packgraph-docmask", *DP_METHODS)
 CUDA_ONLY_METHODS: frozenset[str] = frozenset(
     {
         "packgraph",
         "packgraph-model",
+        "packgraph-docmask",
         "packgraph+compile",
         "packgraph-model+compile",
         "compile-ro",
@@ -205,6 +208,16 @@ class GraphedMethod(Method):
         self.graphed = None
         if self.compiles is not None:
             torch._dynamo.reset()
+
+
+class GraphedDocMaskMethod(GraphedMethod):
+    name = "packgraph-docmask"
+
+    def __init__(self, model: GPT, policy: BucketPolicy, device: torch.device) -> None:
+        for block in model.blocks:
+            block.attn.backend = "doc_mask"
+        # the default policy's top max_seqlen rung is T: one bucket of T rows and T slots
+        super().__init__(model, document_mask_buckets(policy.max_seqlen), device)
 
 
 class GraphedModelMethod(GraphedMethod):
@@ -374,6 +387,7 @@ _REGISTRY: dict[str, type[Method]] = {
         Method,
         GraphedMethod,
         GraphedModelMethod,
+        GraphedDocMaskMethod,
         GraphedCompiledMethod,
         GraphedModelCompiledMethod,
         CompileMethod,

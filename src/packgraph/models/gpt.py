@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from packgraph.distributed.cp import cp_position_ids, cp_varlen_attention
 from packgraph.ops import apply_rope_thd, varlen_attention
+from packgraph.ops.attention import BACKENDS
 from packgraph.params import PackedSeqParams
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ class GPTConfig:
 
     ``mlp_hidden=None`` uses the SwiGLU convention ``8/3 * d_model`` rounded up to a multiple of 64.
     ``dropout`` applies to each residual branch's output (the attention kernel has no dropout).
+    ``attention_backend`` is ``varlen_attention``'s: ``"flash"`` (FlashAttention-2, bucketed ``max_seqlen`` and
+    capacity) or ``"doc_mask"`` (FlexAttention with a document mask: one graph per layer for every packing, with
+    :func:`~packgraph.buckets.document_mask_buckets`).
     """
 
     vocab_size: int = 258
@@ -62,6 +66,7 @@ class GPTConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     norm_eps: float = 1e-5
+    attention_backend: str = "flash"
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -74,6 +79,8 @@ class GPTConfig:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
     @property
     def head_dim(self) -> int:
@@ -132,6 +139,7 @@ class AttentionBlock(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.rope_base = cfg.rope_base
+        self.backend = cfg.attention_backend
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
         self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
@@ -152,7 +160,15 @@ class AttentionBlock(nn.Module):
             k.view(T, self.n_kv_head, self.head_dim), params, base=self.rope_base, position_ids=positions
         )
         v = v.view(T, self.n_kv_head, self.head_dim)
-        y = (cp_varlen_attention if cp else varlen_attention)(q, k, v, params, causal=True)
+        if cp:
+            if self.backend != "flash":
+                raise NotImplementedError(
+                    f"context parallel attention runs FlashAttention: attention_backend {self.backend!r} is not "
+                    "supported with local_cp_size > 1; use attention_backend='flash'"
+                )
+            y = cp_varlen_attention(q, k, v, params, causal=True)
+        else:
+            y = varlen_attention(q, k, v, params, causal=True, backend=self.backend)
         return x + self.dropout(self.proj(y.reshape(T, self.n_head * self.head_dim)))
 
 

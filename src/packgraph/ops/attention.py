@@ -49,11 +49,12 @@ import torch
 from torch import Tensor
 
 from packgraph import slot_boundary
+from packgraph.ops.doc_mask import doc_mask_attention
 from packgraph.ops.flash_chunks import SLOTS_PER_BACKWARD, flash_attention_slot_chunks, gqa_max_seqlen_q
 from packgraph.ops.short_docs import short_and_long_attention
 from packgraph.params import PackedSeqParams, PackedSeqParamsError, slot_of_rows
 
-__all__ = ["varlen_attention", "varlen_attention_reference", "row_layout", "RowLayout", "flash_offsets"]
+__all__ = ["BACKENDS", "varlen_attention", "varlen_attention_reference", "row_layout", "RowLayout", "flash_offsets"]
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
@@ -646,6 +647,7 @@ def varlen_attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    backend: str = "flash",
 ) -> Tensor:
     """Attention over packed sequences: ``[Tq, Hq, D]`` x ``[Tk, Hkv, D]`` -> ``[Tq, Hq, D]``.
 
@@ -674,6 +676,12 @@ def varlen_attention(
         window: ``(left, right)`` sliding window in FlashAttention's convention (ints >= -1; -1: unbounded).
         softcap: softcap the scaled scores at ``softcap * tanh(scores / softcap)`` (a finite float > 0).
         sinks: ``[Hq]`` floating tensor on q's device, one sink logit per query head (differentiable).
+        backend: ``"flash"`` (the dispatch above) or ``"doc_mask"``: FlexAttention with a document block mask
+            built on the device from the offsets (:mod:`packgraph.ops.doc_mask`; compiled on CUDA at its first
+            call per shape). Its launch depends on ``T`` only, not on ``max_seqlen`` or the slot count, so one graph
+            serves every packing (:func:`~packgraph.buckets.document_mask_buckets`). Self-attention only (``k``'s
+            offsets the same tensors as ``q``'s), with ``window`` and ``softcap``; no ``sinks``. On the CPU it runs
+            forward passes only (torch's FlexAttention has no CPU backward).
 
     Raises:
         ValueError: bad shapes/dtypes/devices or options (``PackedSeqParamsError`` for the params).
@@ -682,6 +690,10 @@ def varlen_attention(
     """
     _check_inputs(q, k, v, packed_seq_params)
     causal, window, softcap = _check_options(q, causal, window, softcap, sinks)
+    if backend == "doc_mask":
+        return _document_mask(q, k, v, packed_seq_params, causal, softmax_scale, window, softcap, sinks)
+    if backend != "flash":
+        raise ValueError(f"varlen_attention: backend must be one of {BACKENDS}, got {backend!r}")
     if _flash_eligible(q) and softcap is None and sinks is None and _flash_takes_window(window, packed_seq_params):
         api = _torch_varlen_api()
         if api is None:
@@ -704,3 +716,47 @@ def varlen_attention(
         softcap=softcap,
         sinks=sinks,
     )
+
+
+BACKENDS = ("flash", "doc_mask")
+
+
+def _document_mask(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: PackedSeqParams,
+    causal: bool,
+    softmax_scale: float | None,
+    window: tuple[int, int] | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+) -> Tensor:
+    if sinks is not None:
+        raise NotImplementedError("varlen_attention: backend='doc_mask' has no attention sinks; use backend='flash'")
+    same_layout = params.cu_seqlens_kv is params.cu_seqlens_q and (
+        params.cu_seqlens_kv_padded is params.cu_seqlens_q_padded
+    )
+    if q.shape[0] != k.shape[0] or not same_layout:
+        raise ValueError(
+            "varlen_attention: backend='doc_mask' runs self-attention, whose q and k/v rows share one layout: the "
+            "same cu_seqlens tensor for q and kv (and the same padded twin); use backend='flash' for other layouts"
+        )
+    fn = _compiled_document_mask() if q.is_cuda else doc_mask_attention
+    try:
+        return fn(q, k, v, params, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap)
+    except NotImplementedError as exc:
+        if q.is_cuda or "backward on CPU" not in str(exc):
+            raise
+        raise NotImplementedError(
+            "varlen_attention: backend='doc_mask' runs forward passes only on the CPU (torch's FlexAttention has "
+            "no CPU backward); use backend='flash', or call it under torch.no_grad()"
+        ) from exc
+
+
+@functools.cache
+def _compiled_document_mask() -> Callable[..., Tensor]:
+    # FlexAttention fuses its kernel only compiled; eagerly it materialises every score. One compiled callable
+    # for the process: each T (and dtype, head count, option set) compiles once, at its first call, which a graph
+    # capture's warm-up makes before recording.
+    return torch.compile(doc_mask_attention, dynamic=False)
