@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     preset.add_argument(
         "--ddp", action="store_true", help="torch DDP against the explicit all-reduce, world size 1: small and medium"
     )
+    preset.add_argument(
+        "--backends",
+        action="store_true",
+        help="the attention backends side by side (FA2 through packgraph, the bare FA2 op, the document mask): "
+        "ms and TFLOP/s over --T (default 4096-32768), --mixes and --head-dims",
+    )
     preset.add_argument("--dry-run", action="store_true", help="a tiny CPU matrix (perf_counter timing)")
     p.add_argument("--out", type=Path, help="results directory (default bench/results/<date>-<gpu>/)")
     p.add_argument("--models", type=_csv(str), help="GPT presets, e.g. small,medium")
@@ -79,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--attention-only", action="store_true", help="run only the attention micro-benchmark")
     att.add_argument("--no-attention", action="store_true", help="skip the attention micro-benchmark")
     p.add_argument("--attention-T", type=_csv(int), help="T values of the attention sweep")
+    p.add_argument("--head-dims", type=_csv(int), help="head sizes of --backends (default 64,128)")
     p.add_argument(
         "--ladder",
         choices=LADDERS,

@@ -331,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     device = _device(args)
+    if args.backends:
+        return _run_backends(args, device)
     if device.type != "cuda" and not args.dry_run:
         print("warning: no CUDA device; CUDA-only methods are skipped and timings are CPU timings", file=sys.stderr)
     out = args.out or default_out_dir(device, args.dry_run)
@@ -343,6 +345,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         publish_report(Path(os.environ["PACKGRAPH_REPORT"]), records, doc, attention=cfg["run_attention"])
     ok = any(r["status"] == "ok" for r in records) or (not cfg["run_matrix"] and bool(doc.get("attention")))
     return 0 if ok else 1
+
+
+def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
+    """``packgraph bench --backends``: writes backends.json (with the machine) and backends.md under --out."""
+    from packgraph.bench.backends import backend_benchmark, backends_markdown
+    from packgraph.bench.data import MIXES
+
+    T_values = args.T or [4096, 8192, 16384, 32768]
+    mixes, head_dims = args.mixes or list(MIXES), args.head_dims or [64, 128]
+    out = args.out or default_out_dir(device, dry_run=False)
+    out.mkdir(parents=True, exist_ok=True)
+    total = len(T_values) * len(mixes) * len(head_dims) * 2 * 4
+    progress = _Progress(total, time_limit_s=args.time_limit_s)
+
+    def on_row(row: dict[str, Any]) -> None:
+        shown = row.get("error") or f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwdbwd_ms']:.3f} ms"
+        progress.write(f"T={row['T']} {row['mix']} D={row['head_dim']} #{row['packing']} {row['backend']}: {shown}")
+        progress.advance()
+
+    started = time.perf_counter()
+    try:
+        rows = backend_benchmark(
+            T_values, mixes, head_dims, seed=args.seed, device=device, out_of_time=progress.out_of_time, on_row=on_row
+        )
+    finally:
+        progress.close()
+    doc = {"machine": machine_info(device), "argv": sys.argv[1:], "rows": rows}
+    (out / "backends.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    (out / "backends.md").write_text(backends_markdown(rows))
+    print(backends_markdown(rows))
+    print(f"wrote {out}/backends.json and backends.md in {time.perf_counter() - started:.0f} s")
+    return 0 if any(r.get("fwd_ms") is not None for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""``packgraph bench --backends`` on the CPU: the rows it writes, and the useful-work count its TFLOP/s divide."""
+
+import json
+
+import torch
+
+from packgraph.bench.backends import causal_flops
+from packgraph.bench.run import main
+
+
+def test_causal_flops_counts_the_visible_pairs_of_each_document():
+    lengths, heads, head_dim = [5, 1, 12, 0, 7], 3, 8
+    visible = 0
+    for n in lengths:  # a naive count: each query sees itself and the keys before it in its document
+        mask = torch.ones(n, n).tril()
+        visible += int(mask.sum())
+    assert causal_flops(lengths, heads, head_dim) == 4 * head_dim * heads * visible
+
+
+def test_the_cli_measures_every_backend_or_names_why_not(tmp_path):
+    code = main(["--backends", "--device", "cpu", "--T", "64", "--mixes", "short", "--head-dims", "16",
+                 "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    doc = json.loads((tmp_path / "backends.json").read_text())
+    assert doc["machine"]["device"] == "cpu"
+    rows = doc["rows"]
+    by = {(r["packing"], r["backend"]): r for r in rows}
+    assert {b for _, b in by} == {"flash", "fa2-op", "fa2-op-exact", "doc_mask"} and len(rows) == 8
+    for packing in (0, 1):
+        flash = by[(packing, "flash")]  # the exact reference on the CPU: forward and backward
+        assert flash["fwd_ms"] > 0 and flash["fwdbwd_ms"] > 0
+        assert flash["fwd_tflops"] == flash["causal_gflop"] * 1e9 / (flash["fwd_ms"] * 1e9)
+        assert "CUDA only" in by[(packing, "fa2-op")]["error"] and by[(packing, "fa2-op")]["fwd_tflops"] is None
+        doc_mask = by[(packing, "doc_mask")]  # FlexAttention: forward only on the CPU
+        assert doc_mask["fwd_ms"] > 0 and "forward passes only on the CPU" in doc_mask["error"]
+    table = (tmp_path / "backends.md").read_text()
+    assert table.count("\n") == 2 + len(rows) and "doc_mask" in table
