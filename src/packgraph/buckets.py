@@ -19,7 +19,7 @@ from torch import Tensor
 from packgraph import slot_boundary
 from packgraph.params import DYNAMIC_FIELDS, PackedSeqParams
 
-__all__ = ["document_mask_buckets", "Bucket", "BucketPolicy", "default_buckets", "geometric_ladder"]
+__all__ = ["Bucket", "BucketPolicy", "default_buckets", "document_mask_buckets", "geometric_ladder"]
 
 _REAL_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv")
 
@@ -42,7 +42,6 @@ class BucketPolicy:
     Args:
         max_seqlen_ladder: allowed static ``max_seqlen`` values, strictly increasing positive ints.
         capacity_ladder: allowed capacities (``cu_seqlens`` slots), strictly increasing positive ints.
-
         flash_kernels: the layers run FlashAttention (``varlen_attention``'s ``"flash"`` backend, the default).
             ``False`` for the document-mask backend, whose kernel does not switch with the slot count.
 

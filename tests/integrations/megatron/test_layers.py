@@ -128,8 +128,10 @@ def test_full_recomputation_runs_inside_the_graphs(recorder):
         _assert_same_steps(graphed, eager, batches)
     handle.remove()
     assert graphed.decoder.config.recompute_granularity == "full"
-    with pytest.raises(NotImplementedError, match="use scope='layer'"), use_recorder(EagerRecorder()):
-        graph_transformer_layers(graphed, batches[0].packed_seq_params, scope="attn")
+    for options in (dict(scope="attn"), dict(recompute=False)):
+        with pytest.raises(NotImplementedError, match="scope='layer' and recompute"), use_recorder(EagerRecorder()):
+            graph_transformer_layers(graphed, batches[0].packed_seq_params, **options)
+    assert graphed.decoder.config.recompute_granularity == "full"
 
 
 def test_megatron_params_sample_and_padded_layouts():

@@ -209,15 +209,17 @@ def graph_transformer_layers(
     opts = dict(capture_options, chain=scope == "layer" and len(targets) == len(layers))
     if buckets is not None:
         opts["buckets"] = buckets
-    if model.config.recompute_granularity == "full":
-        if scope != "layer":
+    full = model.config.recompute_granularity == "full"
+    if full:
+        if scope != "layer" or opts.get("recompute") is False:
             raise NotImplementedError(
-                f"graph_transformer_layers: recompute_granularity='full' recomputes whole layers, which scope "
-                f"{scope!r} does not graph; use scope='layer'"
+                "graph_transformer_layers: recompute_granularity='full' recomputes whole layers: graph them with "
+                f"scope='layer' and recompute (not scope={scope!r}, recompute={opts.get('recompute')!r}); the block "
+                "would otherwise re-run graphed layers outside their graphs"
             )
-        opts.setdefault("recompute", True)
+        opts["recompute"] = True
     handle.graphed = list(capture_layers(adapters, sample, **opts))
-    if opts.get("recompute") and model.config.recompute_granularity == "full":
+    if full:
         # The block's own recomputation would re-run the graphed layers outside their graphs: it sees a copy of
         # the config without it (the layers keep theirs).
         block = model.decoder
