@@ -1,8 +1,6 @@
-"""What the bench tests share: the record schema written out independently of the harness, record builders,
-and the repository's ``bench/targets.py`` loaded by path."""
+"""What the bench tests share: the record schema written out independently of the harness, record builders, and
+the goals (:mod:`packgraph.bench.targets`)."""
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 from packgraph.bench.report import derive
@@ -51,18 +49,11 @@ RECORD_TYPES = {
 }
 
 
-def load_bench_script(name: str) -> ModuleType:
-    """The repository's ``bench/<name>.py``, by path (``bench/`` is not part of the package, nor importable)."""
-    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_targets() -> ModuleType:
-    """The repository's ``bench/targets.py``."""
-    return load_bench_script("targets")
+    """:mod:`packgraph.bench.targets`."""
+    from packgraph.bench import targets
+
+    return targets
 
 
 def record(method, step_ms, busy=None, first=None, graphs=None, peak=None, tokens=1000.0, mix="corpus", requested=None):

@@ -28,7 +28,7 @@ def test_dry_run_writes_well_formed_results(dry_run):
     assert status == 0
     doc = json.loads((out / "results.json").read_text())
     assert {"machine", "runs", "streams", "records", "attention", "attention_summary"} <= set(doc)
-    assert "targets" not in doc  # the goals are the repository's (bench/targets.py), not the package's
+    assert "targets" not in doc  # the goals are judged apart (packgraph.bench.targets)
     machine = doc["machine"]
     for key in ("device", "cpu", "date", "torch", "python"):
         assert isinstance(machine[key], str) and machine[key]
@@ -97,7 +97,7 @@ def test_runs_append_and_replace(dry_run, tmp_path, monkeypatch):
     assert sum(r["run"] == 0 for r in doc["records"]) == len(before["records"]) - 1
     assert len(doc["attention"]) == len(before["attention"])
     # gpu-check's closing table gets this run's record (from the bench) and every target verdict (from
-    # bench/targets.py, which gpu-check runs after the bench)
+    # packgraph.bench.targets, which gpu-check runs after the bench)
     rows = [json.loads(line) for line in report.read_text().splitlines()]
     assert [r["name"] for r in rows if not r["name"].startswith("target")] == ["bench tiny T=128 short eager"]
     assert rows[0]["value"].startswith(f"{replaced[0]['step_ms']:.2f} ms")

@@ -1,4 +1,4 @@
-"""The repository's goals (``bench/targets.py``, loaded by path): verdicts from chosen records and from a dry run."""
+"""The goals (:mod:`packgraph.bench.targets`): verdicts from chosen records and from a dry run."""
 
 from tests.bench.records import busy_split_cell, load_targets, one_cell_records, results_doc
 

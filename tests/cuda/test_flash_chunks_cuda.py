@@ -99,7 +99,7 @@ def test_chunked_backward_peak_is_a_fraction_of_the_one_call_peak(monkeypatch):
         _one_call(m)
         one_call = backward_peak()
     # one call: an fp32 dq accumulator of (T + 128 x 2048) rows x 8 heads x 64 = 516 MiB; chunks of 512 slots hold
-    # (T + 128 x 512) rows (bench/fa_ghosts.py measured 158 against 530 MiB for the whole backward)
+    # (T + 128 x 512) rows (bench/results/2026-12-01-h200-fa-ghosts/: 158 against 530 MiB for the whole backward)
     assert chunked < 0.4 * one_call, (chunked / 2**20, one_call / 2**20)
 
 

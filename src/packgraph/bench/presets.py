@@ -24,7 +24,7 @@ def ladder_policy(name: str, T: int) -> BucketPolicy:
     """The bucket policy of ``--ladder name`` at ``T`` tokens: ``default`` is :func:`~packgraph.default_buckets`;
     ``capacity-x2`` keeps its max_seqlen rungs with capacity rungs 8, 16, 32, ..., T (and 1 first up to T=2048,
     as the default); ``both-x2`` also takes max_seqlen rungs 256, 512, ..., T. The finer ladders put fewer ghost
-    slots and less max_seqlen slack in each batch, for more buckets (``bench/ladder_ghosts.py`` counts both).
+    slots and less max_seqlen slack in each batch, for more buckets (docs/buckets.md counts both).
 
     Raises:
         ValueError: an unknown name (the message lists the known ones).

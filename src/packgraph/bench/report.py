@@ -3,7 +3,7 @@
 The results document (``results.json``) holds ``machine``, ``runs``, ``streams``, ``records`` (one per
 model x T x mix x method), ``attention`` (micro-benchmark rows) and ``attention_summary``. Everything here reads
 that document, so ``results.md`` and the README table can be regenerated from committed results. The benchmark's
-goals (met / not met) are not part of the package: ``bench/targets.py`` in the repository evaluates them.
+goals (met / not met) are judged apart, by :mod:`packgraph.bench.targets`.
 """
 
 from __future__ import annotations

@@ -124,8 +124,8 @@ def _attention_key(r: dict) -> tuple:
 def save(doc: dict[str, Any], out: Path, *, plots: bool = False) -> None:
     """Recompute the derived figures, then write results.json, results.md (and the plots)."""
     derive(doc["records"])
-    # the goals are evaluated outside the package (bench/targets.py): verdicts kept from an older results.json
-    # would not follow the records this run replaces
+    # the goals are judged apart (packgraph.bench.targets): verdicts kept from an older results.json would not
+    # follow the records this run replaces
     doc.pop("targets", None)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "results.json.tmp"

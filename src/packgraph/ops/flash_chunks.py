@@ -14,7 +14,7 @@ Contract (what makes the split exact):
   range holds it, by ``where`` (no sum: no rounding, and no NaN from another chunk's garbage). Rows in no chunk
   (the tail) come out as zeros.
 * A row's grads are computed from its own sequence only, so they are the values the one-call backward gives
-  (``bench/fa_ghosts.py`` compares them on the GPU).
+  (tests/cuda/test_flash_chunks_cuda.py compares them on the GPU).
 * Graph-safe: the chunks are static slices of the offsets; no host read.
 * A sliding window (``window=(left, right)``) goes to the forward and to every chunk's backward: it acts within
   each sequence, so it does not change which rows a chunk writes.
@@ -42,8 +42,9 @@ __all__ = [
     "gqa_max_seqlen_q",
 ]
 
-# Measured on an H200 (bench/fa_ghosts.py, T=2048, 8 heads of 64): at 2048 slots chunks of 512 hold the backward to
-# 158 MiB (one call: 530 MiB) for +28% of its time on 545 documents; chunks of 256 hold 93 MiB for +56%.
+# Measured on an H200 (bench/results/2026-12-01-h200-fa-ghosts/, T=2048, 8 heads of 64): at 2048 slots chunks of
+# 512 hold the backward to 158 MiB (one call: 530 MiB) for +28% of its time on 545 documents; chunks of 256 hold
+# 93 MiB for +56%.
 SLOTS_PER_BACKWARD = 512
 
 ChunkBackward = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]

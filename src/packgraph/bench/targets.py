@@ -1,12 +1,12 @@
 """The benchmark issue's goals, evaluated on ``packgraph bench`` results: each target met, not met or not measured.
 
-These are this repository's goals, not part of the installed package. ``scripts/readme-results`` loads this file
-by path and writes the verdicts into README.md; ``scripts/gpu-check`` runs it after its benchmark:
+``scripts/readme-results`` writes the verdicts into README.md; ``scripts/gpu-check`` runs this after its benchmark:
 
-    python3 bench/targets.py RESULTS_JSON [RESULTS_JSON ...] [--report FILE]
+    python3 -m packgraph.bench.targets RESULTS_JSON [RESULTS_JSON ...] [--report FILE]
 
 prints one line per target and file; ``--report`` also appends the verdicts to a gpu-check report (JSON lines).
-It needs ``packgraph`` importable (gpu-check puts the checkout's ``src`` on ``PYTHONPATH``).
+``packgraph bench`` itself writes no verdict: a results file keeps its measurements, and the goals of the day
+judge it.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def report_rows(targets: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the verdicts of each results file (and append them to ``--report``); returns 0."""
-    parser = argparse.ArgumentParser(prog="bench/targets.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m packgraph.bench.targets", description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path, help="results.json files (or their directories)")
     parser.add_argument("--report", type=Path, help="also append the verdicts to this gpu-check report (JSON lines)")
     args = parser.parse_args(argv)
