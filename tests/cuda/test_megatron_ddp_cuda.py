@@ -11,7 +11,9 @@ micro-batches per step (the first under ``no_sync()``) adding into ``main_grad``
 model inside the same DDP, and with one process trained eagerly without DDP on the union of the step's batches. On
 CUDA the float32 attention runs packgraph's exact reference (FlashAttention takes half types only), so float32
 rounding is the only difference. ``overlap-buckets`` launches eight bucket reductions from DDP's hooks during the
-backward, which the graphed layers' ``AccumulateGrad`` nodes fire as eager ones do.
+backward, which the graphed layers' ``AccumulateGrad`` nodes fire as eager ones do. With full recomputation, eager
+Megatron re-runs each layer in its backward through its checkpoint, and each graphed layer's backward graph
+recomputes it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ import torch.multiprocessing as mp
 pytest.importorskip("megatron.core")
 
 MICRO = 2
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+# (name, Megatron DDP setup, model config): Megatron's full recomputation against the graphs' own, in the last
+CASES = [("sync", "sync", {}), ("overlap-buckets", "overlap-buckets", {}),
+         ("overlap-buckets+full-recompute", "overlap-buckets", FULL_RECOMPUTE)]  # fmt: skip
 TOL = 1e-4  # of each tensor's largest magnitude: the ranks' sums and the union's backward round differently
 
 
@@ -64,23 +70,23 @@ def _worker(rank: int, world: int, backend: str, init: str, out: str) -> None:
         with loop_stream("cuda:0"):
             batches = cpu._batches(world, MICRO)
             want = cpu._reference(batches, world, MICRO, "cuda")
-            for ddp_name in ("sync", "overlap-buckets"):
+            for name, ddp_name, config in CASES:
                 case = dict(ddp=cpu.DDP_CONFIGS[ddp_name], micro=MICRO, normalise="loss", device="cuda")
                 eager, eager_launched = cpu._train(
-                    cpu._ddp(cpu._model("cuda"), case["ddp"]), batches, rank, world, case
+                    cpu._ddp(cpu._model("cuda", **config), case["ddp"]), batches, rank, world, case
                 )
-                model = cpu._model("cuda")
+                model = cpu._model("cuda", **config)
                 params = batches[0].to("cuda").packed_seq_params
                 handle = graph_transformer_layers(model, params, scope="layer", buckets=default_buckets(cpu.T))
                 ddp = cpu._ddp(model, case["ddp"])
                 graphed, launched = cpu._train(ddp, batches, rank, world, case)
-                assert handle.num_signatures == 2, ddp_name
+                assert handle.num_signatures == 2, name
                 assert launched == eager_launched, (
-                    f"{ddp_name}: bucket reductions launched {launched}, eagerly {eager_launched}"
+                    f"{name}: bucket reductions launched {launched}, eagerly {eager_launched}"
                 )
-                figures[f"{ddp_name} vs eager in DDP"] = _worst(graphed, eager, f"rank {rank} {ddp_name} vs eager")
-                figures[f"{ddp_name} vs union"] = _worst(graphed, want, f"rank {rank} {ddp_name} vs union")
-                figures[f"{ddp_name} bitwise"] = all(
+                figures[f"{name} vs eager in DDP"] = _worst(graphed, eager, f"rank {rank} {name} vs eager")
+                figures[f"{name} vs union"] = _worst(graphed, want, f"rank {rank} {name} vs union")
+                figures[f"{name} bitwise"] = all(
                     torch.equal(g[n], e[n]) for g, e in zip(graphed, eager, strict=True) for n in g
                 )
                 del ddp, handle, model
@@ -97,7 +103,7 @@ def test_megatron_ddp_over_graphed_layers_equals_eager_and_the_union(backend, wo
             _worker, args=(world, backend, os.path.join(tmp, "init"), tmp), nprocs=world, start_method="spawn"
         )
         figures = json.loads(Path(tmp, "rank0.json").read_text())
-    assert len(figures) == 6, figures  # every case ran on rank 0
+    assert len(figures) == 3 * len(CASES), figures  # every case ran on rank 0
     for name, value in figures.items():
         shown = value if isinstance(value, bool) else f"{value:.2e}"
         report(f"Megatron DDP {backend} world {world}, {name}", shown)
