@@ -19,7 +19,15 @@ def _shard(
     """A shard's folder as gpu-check leaves it; with jobs > 1, the counts are split over the pytest processes."""
     out = root / shard.replace("/", "-")
     out.mkdir()
-    base = dict(gpu="NVIDIA H200", torch="2.11.0+cu130", cuda="13.0", code="tree abc", shard=shard, jobs=jobs)
+    base = dict(
+        gpu="NVIDIA H200",
+        torch="2.11.0+cu130",
+        cuda="13.0",
+        code="tree abc",
+        shard=shard,
+        jobs=jobs,
+        packages={"megatron-core": "0.19.2"},
+    )
     (out / "meta.json").write_text(json.dumps({**base, **m}))
     names = ["junit.xml"] if jobs == 1 else [f"junit-{j}.xml" for j in range(1, jobs + 1)]
     exits = exits or [1 if failures else 0] * jobs
@@ -46,6 +54,7 @@ def test_shards_add_up_into_one_closing_table(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "tests          : 14 passed, 1 failed, 2 skipped" in proc.stdout
     assert "tree abc (2 shards)" in proc.stdout
+    assert "packages       : megatron-core 0.19.2" in proc.stdout
     assert "figure of 1/2" in proc.stdout and "figure of 2/2" in proc.stdout
 
 
@@ -56,6 +65,7 @@ def test_shards_add_up_into_one_closing_table(tmp_path):
         (dict(shard="1/2"), "not one complete set"),
         (dict(shard="2/2", code="tree def"), "differ in code"),
         (dict(shard="2/2", torch="2.13.0"), "differ in torch"),
+        (dict(shard="2/2", packages={"megatron-core": None}), "differ in packages"),
     ],
 )
 def test_summary_refuses_shards_that_are_not_one_check(tmp_path, second, why):
@@ -95,3 +105,10 @@ def test_summary_refuses_a_shard_missing_one_of_its_pytest_processes(tmp_path):
     (one / "junit-3.xml").unlink()  # killed before pytest could write it
     proc = _summary(one)
     assert proc.returncode != 0 and "holds no finished run" in proc.stderr
+
+
+def test_the_table_names_an_optional_package_missing_on_the_device(tmp_path):
+    """Without megatron-core its test files skip whole: the closing table says so beside the counts."""
+    proc = _summary(_shard(tmp_path, tests=5, skipped=2, packages={"megatron-core": None, "trl": "1.16.0"}))
+    assert proc.returncode == 0, proc.stderr
+    assert "packages       : megatron-core MISSING, trl 1.16.0" in proc.stdout
