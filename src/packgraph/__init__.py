@@ -11,7 +11,7 @@ The public API:
 Integrations (``packgraph.integrations.hf``, ``.megatron``) and ``packgraph.distributed`` are imported on demand.
 """
 
-from packgraph.buckets import Bucket, BucketPolicy, default_buckets
+from packgraph.buckets import Bucket, BucketPolicy, default_buckets, document_mask_buckets
 from packgraph.graphs import (
     GraphCaptureError,
     GraphedCallable,
@@ -42,6 +42,7 @@ __all__ = [
     "capture",
     "capture_layers",
     "default_buckets",
+    "document_mask_buckets",
     "find_host_syncs",
     "fixed_shape_sample",
     "pack_sequences",
