@@ -16,7 +16,7 @@ import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -26,6 +26,9 @@ from packgraph.graphs.handouts import Handout, HandoutBook
 from packgraph.graphs.signature import CallSignature, ParamsPreparer
 from packgraph.graphs.slots import ChainGradSlots
 from packgraph.params import PackedSeqParamsError
+
+if TYPE_CHECKING:
+    from packgraph.graphs.recorder import Recorder
 
 __all__ = ["GraphSignatureError", "GraphCache", "OutputRegistry", "CaptureGroup", "ON_MISMATCH", "logger"]
 
@@ -250,7 +253,7 @@ class CaptureGroup:
     :mod:`packgraph.graphs.order` and :mod:`packgraph.graphs.handouts` for why they matter when memory is shared).
     """
 
-    def __init__(self, recorder: Any, preparer: ParamsPreparer, *, chain: bool = False) -> None:
+    def __init__(self, recorder: Recorder, preparer: ParamsPreparer, *, chain: bool = False) -> None:
         self.recorder = recorder
         self.preparer = preparer
         self.chain = chain

@@ -1,6 +1,7 @@
 """Recorders: what warms up and records the graphs of a capture group. :class:`CudaRecorder` makes CUDA graphs.
 
-The recorder protocol (what :class:`CudaRecorder` implements, and what a stand-in for CPU tests implements):
+The recorder protocol (:class:`Recorder`: what :class:`CudaRecorder` implements, and what a stand-in for CPU tests
+implements):
 
 * ``device_type``: the autocast device type of the signature (``"cuda"``);
 * ``check_input(tensor)``: raise if a dynamic input cannot be a graph input (wrong device);
@@ -30,7 +31,7 @@ import contextlib
 import contextvars
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -39,16 +40,29 @@ from torch import Tensor
 from packgraph.graphs import safety
 from packgraph.graphs.handouts import unowned_storage
 
-__all__ = ["CudaRecorder", "use_recorder", "recorder_for", "stand_in"]
+__all__ = ["CudaRecorder", "Recorder", "use_recorder", "recorder_for", "stand_in"]
 
-_RECORDER: contextvars.ContextVar[Any] = contextvars.ContextVar("packgraph_recorder", default=None)
+
+class Recorder(Protocol):
+    """The members every recorder has (the module docstring says what each does, and lists the optional ones)."""
+
+    device_type: str
+
+    def check_input(self, t: Tensor) -> None: ...
+
+    def warmup(self, run: Callable[[], None], iters: int, pool: Any = None) -> None: ...
+
+    def record(self, body: Callable[[], list], pool: Any = None) -> tuple[Any, list]: ...
+
+
+_RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("packgraph_recorder", default=None)
 _POOL_API = all(
     hasattr(torch._C, name) for name in ("_cuda_beginAllocateToPool", "_cuda_endAllocateToPool", "_cuda_releasePool")
 )
 
 
 @contextlib.contextmanager
-def use_recorder(recorder: Any) -> Iterator[Any]:
+def use_recorder(recorder: Recorder) -> Iterator[Recorder]:
     """Within the block, :func:`~packgraph.graphs.capture` and :func:`~packgraph.graphs.capture_layers` record with
     ``recorder`` instead of CUDA graphs.
 
@@ -63,12 +77,12 @@ def use_recorder(recorder: Any) -> Iterator[Any]:
         _RECORDER.reset(token)
 
 
-def stand_in() -> Any:
+def stand_in() -> Recorder | None:
     """The recorder of the innermost :func:`use_recorder` block, or None (capture records CUDA graphs)."""
     return _RECORDER.get()
 
 
-def recorder_for(pool: Any, sample_args: Any, who: str) -> Any:
+def recorder_for(pool: Any, sample_args: Any, who: str) -> Recorder:
     """The stand-in of :func:`use_recorder` if one is active, else a :class:`CudaRecorder` on the samples' device."""
     stand_in = _RECORDER.get()
     if stand_in is not None:
