@@ -131,7 +131,7 @@ def test_a_lent_grad_slot_block_is_written_on_the_callers_stream_only(report):
     try:
         with deterministic_kernels(True):
             assert torch.utils.deterministic.fill_uninitialized_memory  # torch.empty fills under these
-            block.owner = None  # given back before a forward
+            block.memory = None  # given back before a forward
             with torch.cuda.stream(block.stream):
                 torch.cuda._sleep(200_000_000)  # ~0.1 s: anything queued there now runs late
             block.lend()

@@ -113,7 +113,7 @@ class _Block:
     def __init__(self, like: Tensor) -> None:
         # First in the instance dict, so freed before the pool even if close() never ran: a MemPool destroyed
         # under a live allocation leaves the allocator a block of a pool it no longer has.
-        self.owner: Tensor | None = None
+        self.memory: Tensor | None = None
         slot = math.ceil(_span_bytes(like) / _ALIGN) * _ALIGN
         self.segment_bytes = math.ceil(max(2 * slot, _MIN_EXACT_SEGMENT) / _SEGMENT_ROUNDING) * _SEGMENT_ROUNDING
         split = self.segment_bytes - 2 * slot > _SPLIT_REMAINDER
@@ -124,8 +124,8 @@ class _Block:
         self.pool = _take_pool(self.device, self.segment_bytes)
         primer = self._allocate(self.segment_bytes)  # makes the segment (a spare pool has it already, free)
         del primer
-        self.owner = self._allocate()
-        self.ptr = self.owner.data_ptr()
+        self.memory = self._allocate()
+        self.ptr = self.memory.data_ptr()
         self.slot_bytes = slot
         self.statics = [self._view(like, k) for k in (0, 1)]
         with torch.no_grad():
@@ -144,31 +144,31 @@ class _Block:
         return block
 
     def _view(self, like: Tensor, k: int) -> Tensor:
-        # A storage over the slot's bytes that does not own them: the block's owner tensor does, while lent.
+        # A storage over the slot's bytes that does not own them: the block's memory tensor does, while lent.
         ptr = self.ptr + k * self.slot_bytes
         storage = torch._C._construct_storage_from_data_pointer(ptr, self.device, self.slot_bytes)
         return torch.empty(0, dtype=like.dtype, device=self.device).set_(storage, 0, like.shape, like.stride())
 
     def close(self) -> None:
         """Free the block and keep its pool for the next block of its size (see ``_SPARE_POOLS``)."""
-        self.owner = None
+        self.memory = None
         if self.pool is not None:
             _SPARE_POOLS.setdefault((self.device, self.segment_bytes), []).append(self.pool)
             self.pool = None
 
     def lend(self) -> None:
-        if self.owner is not None:
+        if self.memory is not None:
             return
-        owner = self._allocate()
-        if owner.data_ptr() != self.ptr:
-            del owner
+        memory = self._allocate()
+        if memory.data_ptr() != self.ptr:
+            del memory
             raise RuntimeError(
                 "packgraph: the memory pool of a chained stack's hidden-state grad buffers gave back another address "
                 f"({hex(self.ptr)} expected), so the captured backward graphs would write memory they do not own. "
                 "Something allocated in that pool or released it. Do not route allocations into pools you did not "
                 "create; capture the layers again (a new capture_layers call) to recover."
             )
-        self.owner = owner
+        self.memory = memory
 
 
 class ChainGradSlots:
@@ -223,7 +223,7 @@ class ChainGradSlots:
             return
         # A group's slots are all in lent blocks (CUDA with MemPool) or all tensors of their own (see record()).
         for block in self._blocks.values():
-            block.owner = None
+            block.memory = None
         if not self._blocks:
             with torch.no_grad():
                 for r in self._records.values():
