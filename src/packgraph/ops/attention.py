@@ -91,13 +91,15 @@ def row_layout(packed_seq_params: PackedSeqParams, which: str, n_rows: int) -> R
     return RowLayout(slot, pos, length, pos < length)
 
 
+def _kv_shares_q_offsets(params: PackedSeqParams) -> bool:
+    """Whether kv's offsets are q's own tensors (and so are their padded twins): self-attention's one layout.
+    Identity, not values: a check of values would read the device."""
+    return params.cu_seqlens_kv is params.cu_seqlens_q and params.cu_seqlens_kv_padded is params.cu_seqlens_q_padded
+
+
 def _row_layouts(q: Tensor, k: Tensor, params: PackedSeqParams) -> tuple[RowLayout, RowLayout]:
     rows_q = row_layout(params, "q", q.shape[0])
-    shared = (
-        params.cu_seqlens_kv is params.cu_seqlens_q
-        and params.cu_seqlens_kv_padded is params.cu_seqlens_q_padded
-        and k.shape[0] == q.shape[0]
-    )
+    shared = _kv_shares_q_offsets(params) and k.shape[0] == q.shape[0]
     return rows_q, (rows_q if shared else row_layout(params, "kv", k.shape[0]))
 
 
@@ -496,8 +498,7 @@ def flash_offsets(packed_seq_params: PackedSeqParams) -> tuple[Tensor, Tensor]:
     if p.cu_seqlens_q_padded is None and p.cu_seqlens_kv_padded is None:
         return p.cu_seqlens_q, p.cu_seqlens_kv
     cu_q = interleave("q")
-    same = p.cu_seqlens_kv is p.cu_seqlens_q and p.cu_seqlens_kv_padded is p.cu_seqlens_q_padded
-    return cu_q, (cu_q if same else interleave("kv"))
+    return cu_q, (cu_q if _kv_shares_q_offsets(p) else interleave("kv"))
 
 
 class _ZeroDeadRowGrad(torch.autograd.Function):
@@ -609,9 +610,8 @@ def _short_docs_apply(q: Tensor, k: Tensor, params: PackedSeqParams, causal: boo
     return (
         causal
         and slot_boundary.short_docs_for(params.cu_seqlens_q.numel() - 1)
-        and params.cu_seqlens_kv is params.cu_seqlens_q
+        and _kv_shares_q_offsets(params)
         and params.cu_seqlens_q_padded is None
-        and params.cu_seqlens_kv_padded is None
         and k.shape[0] == q.shape[0]
         and not torch.compiler.is_compiling()
     )
@@ -734,10 +734,7 @@ def _document_mask(
 ) -> Tensor:
     if sinks is not None:
         raise NotImplementedError("varlen_attention: backend='doc_mask' has no attention sinks; use backend='flash'")
-    same_layout = params.cu_seqlens_kv is params.cu_seqlens_q and (
-        params.cu_seqlens_kv_padded is params.cu_seqlens_q_padded
-    )
-    if q.shape[0] != k.shape[0] or not same_layout:
+    if q.shape[0] != k.shape[0] or not _kv_shares_q_offsets(params):
         raise ValueError(
             "varlen_attention: backend='doc_mask' runs self-attention, whose q and k/v rows share one layout: the "
             "same cu_seqlens tensor for q and kv (and the same padded twin); use backend='flash' for other layouts"
