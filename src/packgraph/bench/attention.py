@@ -33,6 +33,7 @@ __all__ = [
     "evaluate_ladders",
     "recommend_ladder",
     "graph_replay_ms",
+    "median_ms",
     "time_attention",
 ]
 
@@ -93,18 +94,24 @@ def time_attention(
         out = varlen_attention(q, k, v, params, causal=True)
         torch.autograd.grad(out, (q, k, v), grad_out)
 
+    return median_ms(once, q.device, reps=reps, warmup=warmup)
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, *, reps: int, warmup: int = 2) -> float:
+    """Median ms of ``fn()``: on CUDA, of replays of a CUDA graph of it (CUDA events); on the CPU, ``perf_counter``.
+
+    A graph is what packgraph runs: launched eagerly, an attention region of about 1 ms is host-bound (a few dozen
+    small kernels), so eager timings would measure Python, not the kernels' grid cost.
+    """
+    if device.type == "cuda":
+        return statistics.median(graph_replay_ms(fn, device, reps=reps, warmup=warmup))
+    for _ in range(warmup):
+        fn()
     times = []
-    if q.is_cuda:
-        # Time replays of a CUDA graph of fwd+bwd, as packgraph runs it: launched eagerly, this ~1 ms region is
-        # host-bound (a few dozen small kernels), so eager timings would measure Python, not the kernels' grid cost.
-        times = graph_replay_ms(once, q.device, reps=reps, warmup=warmup)
-    else:
-        for _ in range(warmup):
-            once()
-        for _ in range(reps):
-            t = time.perf_counter()
-            once()
-            times.append((time.perf_counter() - t) * 1e3)
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
 
 

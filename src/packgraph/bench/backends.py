@@ -18,14 +18,12 @@ that backward (FlashAttention's accounting), so every backend is scored on the s
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from packgraph.bench.attention import graph_replay_ms
+from packgraph.bench.attention import median_ms
 from packgraph.bench.data import batch_stream
 from packgraph.buckets import default_buckets, document_mask_buckets
 from packgraph.ops import varlen_attention
@@ -74,24 +72,12 @@ def _times(
     attend = _runner(backend, *qkv, lengths, T)
     times: dict[str, Any] = {}
     with torch.no_grad():
-        times["fwd_ms"] = _median_ms(attend, qkv[0].device, reps)
+        times["fwd_ms"] = median_ms(attend, qkv[0].device, reps=reps)
     try:
-        times["fwdbwd_ms"] = _median_ms(lambda: torch.autograd.grad(attend(), qkv, grad_out), qkv[0].device, reps)
+        times["fwdbwd_ms"] = median_ms(lambda: torch.autograd.grad(attend(), qkv, grad_out), qkv[0].device, reps=reps)
     except (RuntimeError, NotImplementedError) as exc:
         times["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     return times
-
-
-def _median_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    if device.type == "cuda":
-        return statistics.median(graph_replay_ms(fn, device, reps=reps))
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def backend_benchmark(
