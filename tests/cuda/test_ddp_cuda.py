@@ -80,8 +80,32 @@ def _worker(rank: int, world: int, backend: str, init: str, out: str) -> None:
         _ddp_worker(rank, world, backend, init, out)
 
 
+def _train(model, run, batches, want, rank: int, world: int, label: str, *, no_sync=None, average=False) -> float:
+    """SGD steps of ``run`` (``batch -> (logits, loss)``) on this rank's micro-batches of each step, every one but
+    the last under ``no_sync()`` when given; after each step every parameter (the whole tensor of a shard) must be
+    close to the reference's. ``average``: the engine averages the grads over the ranks (FSDP2), so each
+    micro-batch's loss is scaled back up by the world size. The worst relative difference over the steps."""
+    from packgraph.distributed import global_token_count, shard_batches
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    worst = 0.0
+    for s in range(STEPS):
+        step = batches[s * world * MICRO : (s + 1) * world * MICRO]
+        mine = [b.to("cuda") for b in shard_batches(step, rank, world)]
+        count = global_token_count(sum(b.num_real_tokens for b in mine), device="cuda")
+        opt.zero_grad(set_to_none=True)
+        for i, b in enumerate(mine):
+            with no_sync() if no_sync is not None and i < len(mine) - 1 else contextlib.nullcontext():
+                _, loss = run(b)
+                (loss * (b.num_real_tokens * (world if average else 1) / count)).backward()
+        opt.step()
+        named = ((n, getattr(p, "full_tensor", p.detach)().detach()) for n, p in model.named_parameters())
+        worst = max(worst, _compare(named, want[s], f"{label} step {s}"))
+    return worst
+
+
 def _ddp_worker(rank: int, world: int, backend: str, init: str, out: str) -> None:
-    from packgraph.distributed import global_token_count, shard_batches, summing_ddp
+    from packgraph.distributed import summing_ddp
 
     torch.cuda.set_device(0)
     dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
@@ -93,20 +117,7 @@ def _ddp_worker(rank: int, world: int, backend: str, init: str, out: str) -> Non
             model = _model()
             runner = model.graphed(scope=scope, **opts) if scope else model
             ddp = summing_ddp(runner, device_ids=[0])
-            opt = torch.optim.SGD(model.parameters(), lr=LR)
-            worst[label] = 0.0
-            for s in range(STEPS):
-                step = batches[s * world * MICRO : (s + 1) * world * MICRO]
-                mine = [b.to("cuda") for b in shard_batches(step, rank, world)]
-                count = global_token_count(sum(b.num_real_tokens for b in mine), device="cuda")
-                opt.zero_grad(set_to_none=True)
-                for i, b in enumerate(mine):
-                    with ddp.no_sync() if i < len(mine) - 1 else contextlib.nullcontext():
-                        _, loss = ddp(b)
-                        (loss * (b.num_real_tokens / count)).backward()
-                opt.step()
-                named = ((n, p.detach()) for n, p in model.named_parameters())
-                worst[label] = max(worst[label], _compare(named, want[s], f"{label} step {s}"))
+            worst[label] = _train(model, ddp, batches, want, rank, world, label, no_sync=ddp.no_sync)
             del ddp, runner
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(worst))
@@ -129,8 +140,6 @@ def _fsdp2_worker(rank: int, world: int, init: str, out: str) -> None:
     union reference: the graphs read copies of FSDP2's gathered parameters (docs/distributed.md)."""
     from torch.distributed.fsdp import fully_shard
 
-    from packgraph.distributed import global_token_count, shard_batches
-
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=world)
     worst: dict[str, float] = {}
@@ -143,19 +152,8 @@ def _fsdp2_worker(rank: int, world: int, init: str, out: str) -> None:
                 fully_shard(block)
             fully_shard(model)
             runner = model.graphed(scope=scope) if scope else model
-            opt = torch.optim.SGD(model.parameters(), lr=LR)
-            worst[label] = 0.0
-            for s in range(STEPS):
-                step = batches[s * world * MICRO : (s + 1) * world * MICRO]
-                mine = [b.to("cuda") for b in shard_batches(step, rank, world)]
-                count = global_token_count(sum(b.num_real_tokens for b in mine), device="cuda")
-                opt.zero_grad(set_to_none=True)
-                for b in mine:
-                    _, loss = runner(b)
-                    (loss * (b.num_real_tokens * world / count)).backward()  # FSDP2 averages its reduce-scatter
-                opt.step()
-                named = ((n, p.full_tensor().detach()) for n, p in model.named_parameters())
-                worst[label] = max(worst[label], _compare(named, want[s], f"FSDP2 {label} step {s}"))
+            # FSDP2 averages its reduce-scatter
+            worst[label] = _train(model, runner, batches, want, rank, world, f"FSDP2 {label}", average=True)
             if scope:
                 assert [g.captures for g in runner.callables] == [1] * len(model.blocks), label
             del runner, model
