@@ -25,13 +25,22 @@ def test_the_cli_measures_every_backend_or_names_why_not(tmp_path):
     assert doc["machine"]["device"] == "cpu"
     rows = doc["rows"]
     by = {(r["packing"], r["backend"]): r for r in rows}
-    assert {b for _, b in by} == {"flash", "fa2-op", "fa2-op-exact", "doc_mask"} and len(rows) == 8
+    assert {b for _, b in by} == {"flash", "fa2-op", "fa2-op-exact", "doc_mask", "doc_mask-kernel"} and len(rows) == 10
     for packing in (0, 1):
         flash = by[(packing, "flash")]  # the exact reference on the CPU: forward and backward
-        assert flash["fwd_ms"] > 0 and flash["fwdbwd_ms"] > 0
+        assert flash["fwd_ms"] > 0 and flash["fwdbwd_ms"] > 0 and flash["first_s"] > 0
         assert flash["fwd_tflops"] == flash["causal_gflop"] * 1e9 / (flash["fwd_ms"] * 1e9)
         assert "CUDA only" in by[(packing, "fa2-op")]["error"] and by[(packing, "fa2-op")]["fwd_tflops"] is None
         doc_mask = by[(packing, "doc_mask")]  # FlexAttention: forward only on the CPU
         assert doc_mask["fwd_ms"] > 0 and "forward passes only on the CPU" in doc_mask["error"]
+        kernel = by[(packing, "doc_mask-kernel")]  # the bare kernel refuses inputs that require grad on the CPU
+        assert "fwd_ms" not in kernel and "backward on CPU" in kernel["error"]
+    sweep = doc["sweep"]  # one packing of the corpus mix at T=64: max_seqlen 64 only, capacity doubling to 512
+    flash = [r for r in sweep if r["backend"] == "flash"]
+    assert [(r["axis"], r["declared_max"], r["capacity"]) for r in flash] == [("max_seqlen", 64, 1)] + [
+        ("capacity", 64, c) for c in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    ]
+    assert all(r["fwdbwd_ms"] > 0 for r in flash)
+    assert [r["axis"] for r in sweep if r["backend"] == "doc_mask"] == ["none"]
     table = (tmp_path / "backends.md").read_text()
-    assert table.count("\n") == 2 + len(rows) and "doc_mask" in table
+    assert table.count("\n") == 2 + len(rows) + 3 + 2 + len(sweep) and "doc_mask-kernel" in table

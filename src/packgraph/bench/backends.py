@@ -9,15 +9,25 @@ For each packing of the benchmark's mixes, at each ``T`` and head size, the forw
 * ``fa2-op-exact``: the same op on the exact offsets (capacity = documents, ``max_seqlen`` = the longest), the
   eager choice: the difference from ``fa2-op`` is the bucket's;
 * ``doc_mask``: ``varlen_attention(..., backend="doc_mask")`` (FlexAttention, compiled) under
-  ``document_mask_buckets(T)``: one launch for every packing of ``T`` rows.
+  ``document_mask_buckets(T)``: one launch for every packing of ``T`` rows;
+* ``doc_mask-kernel``: the same compiled FlexAttention kernel on a block mask built once, outside the timing: the
+  difference from ``doc_mask`` is what building the mask on the device (and zeroing dead rows) costs in the graph.
 
-Each is timed as the median of CUDA-graph replays (CUDA events), as packgraph runs it. Throughput counts only the
-work inside documents under the causal mask: ``4 * D * Hq`` flops per visible (query, key) pair forward, 2.5 times
-that backward (FlashAttention's accounting), so every backend is scored on the same useful work.
+Each is timed as the median of CUDA-graph replays (CUDA events), as packgraph runs it. ``first_s`` is the wall time
+of the backend's first forward+backward call on that packing, before any timing: for the document mask at a new
+``T`` and head size, torch.compile's cost. Throughput counts only the work inside documents under the causal mask:
+``4 * D * Hq`` flops per visible (query, key) pair forward, 2.5 times that backward (FlashAttention's accounting),
+so every backend is scored on the same useful work.
+
+:func:`declared_size_sweep` holds one packing fixed and grows what a graph declares instead: ``max_seqlen`` from
+the longest document to ``T``, and the slot capacity from the document count to 512. FlashAttention's launch grid
+grows with both; the document mask declares neither.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,11 +38,12 @@ from packgraph.bench.data import batch_stream
 from packgraph.buckets import default_buckets, document_mask_buckets
 from packgraph.ops import varlen_attention
 from packgraph.ops.attention import _torch_varlen_api
+from packgraph.ops.doc_mask import compile_static, document_block_mask
 from packgraph.params import PackedSeqParams
 
-__all__ = ["BACKENDS", "backend_benchmark", "causal_flops"]
+__all__ = ["BACKENDS", "backend_benchmark", "causal_flops", "declared_size_sweep"]
 
-BACKENDS: tuple[str, ...] = ("flash", "fa2-op", "fa2-op-exact", "doc_mask")
+BACKENDS: tuple[str, ...] = ("flash", "fa2-op", "fa2-op-exact", "doc_mask", "doc_mask-kernel")
 BACKWARD_FLOPS = 2.5  # backward flops per forward flop, FlashAttention's convention
 
 
@@ -42,8 +53,10 @@ def causal_flops(lengths: Sequence[int], heads: int, head_dim: int) -> float:
     return 4.0 * head_dim * heads * pairs
 
 
-def _runner(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], T: int) -> Callable:
-    """``attend()`` of one backend on one packing (its params built here, outside any timing)."""
+def _runner(
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], T: int
+) -> Callable[[], torch.Tensor]:
+    """``attend()`` of one backend on one packing (its params, and the kernel's block mask, built here)."""
     device = q.device
     raw = PackedSeqParams.from_seqlens(lengths, total_tokens=T, max_seqlen=T, device=device)
     if backend == "flash":
@@ -52,17 +65,43 @@ def _runner(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, len
     if backend == "doc_mask":
         params = document_mask_buckets(T).apply(raw)
         return lambda: varlen_attention(q, k, v, params, causal=True, backend="doc_mask")
-    api = _torch_varlen_api()
-    if api is None or device.type != "cuda":
-        raise RuntimeError(f"{backend}: torch's varlen_attn op runs on CUDA only (torch >= 2.10)")
+    if backend == "doc_mask-kernel":
+        return _flex_kernel(q, k, v, document_mask_buckets(T).apply(raw))
     if backend == "fa2-op":
         params = default_buckets(T).apply(raw)
     else:
         params = PackedSeqParams.from_seqlens(
             lengths, capacity=len(lengths), total_tokens=T, max_seqlen=max(lengths), device=device
         )
+    return _bare_fa2(q, k, v, params)
+
+
+def _bare_fa2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: PackedSeqParams) -> Callable[[], torch.Tensor]:
+    """torch's varlen op alone on ``params``' offsets and ``max_seqlen``: no checks, no dead rows, no chunks."""
+    api = _torch_varlen_api()
+    if api is None or q.device.type != "cuda":
+        raise RuntimeError("torch's varlen_attn op runs on CUDA only (torch >= 2.10)")
     cu, max_q = params.cu_seqlens_q, params.max_seqlen_q
     return lambda: api(q, k, v, cu, cu, max_q, max_q, causal=True, softmax_scale=None)
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return compile_static(flex_attention)
+
+
+def _flex_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: PackedSeqParams
+) -> Callable[[], torch.Tensor]:
+    """The document mask's FlexAttention kernel on a block mask built now, once (compiled on CUDA, as the backend)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    block_mask, _ = document_block_mask(params, q.shape[0], q.device)
+    kernel = _compiled_flex() if q.is_cuda else flex_attention
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    return lambda: kernel(qh, kh, vh, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1)
 
 
 def _times(
@@ -71,13 +110,31 @@ def _times(
     """``fwd_ms`` and ``fwdbwd_ms`` of one backend on one packing; the forward's stays if the backward fails."""
     attend = _runner(backend, *qkv, lengths, T)
     times: dict[str, Any] = {}
+    try:
+        times["first_s"] = _first_call_s(lambda: torch.autograd.grad(attend(), qkv, grad_out), qkv[0].device)
+    except (RuntimeError, NotImplementedError):
+        pass  # the CPU's FlexAttention has no backward: its forward is timed below, and the error recorded
     with torch.no_grad():
         times["fwd_ms"] = median_ms(attend, qkv[0].device, reps=reps)
     try:
-        times["fwdbwd_ms"] = median_ms(lambda: torch.autograd.grad(attend(), qkv, grad_out), qkv[0].device, reps=reps)
+        times["fwdbwd_ms"] = _fwdbwd_ms(attend, qkv, grad_out, reps)
     except (RuntimeError, NotImplementedError) as exc:
         times["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     return times
+
+
+def _fwdbwd_ms(
+    attend: Callable[[], torch.Tensor], qkv: tuple[torch.Tensor, ...], grad_out: torch.Tensor, reps: int
+) -> float:
+    return median_ms(lambda: torch.autograd.grad(attend(), qkv, grad_out), qkv[0].device, reps=reps)
+
+
+def _first_call_s(fn: Callable[[], object], device: torch.device) -> float:
+    started = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 def backend_benchmark(
@@ -139,24 +196,113 @@ def backend_benchmark(
     return rows
 
 
-def backends_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a Markdown table: ms and TFLOP/s, forward and forward+backward."""
+def declared_size_sweep(
+    T: int,
+    head_dim: int,
+    *,
+    mix: str = "corpus",
+    heads: int = 16,
+    kv_heads: int = 8,
+    reps: int = 10,
+    seed: int = 0,
+    device: torch.device | str = "cuda",
+    max_corpus_docs: int | None = None,
+    out_of_time: Callable[[], bool] = lambda: False,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Forward+backward ms of one packing of ``mix`` at ``T`` as the declared sizes grow, one axis at a time.
+
+    ``flash`` (what a graphed layer runs: short_docs from its slot threshold on) and ``fa2-op`` (the bare op) at
+    ``max_seqlen`` = the longest document, then each power of two above it up to ``T`` (capacity = the document
+    count); then at capacity = the document count, then each power of two above it up to 512 (``max_seqlen`` = the
+    longest). ``doc_mask`` once, under ``axis="none"``: it declares neither.
+    """
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(seed)
+    (batch,) = batch_stream(mix, T, 1, seed=seed + 7, max_corpus_docs=max_corpus_docs)
+    lengths = list(batch.doc_lengths)
+    docs, longest = len(lengths), max(lengths)
+    q = torch.randn(T, heads, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+    k, v = (
+        torch.randn(T, kv_heads, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in "kv"
+    )
+    qkv, grad_out = (q, k, v), torch.ones_like(q)
+    sizes = [("max_seqlen", m, docs) for m in _doublings(longest, T)]
+    sizes += [("capacity", longest, c) for c in _doublings(docs, max(512, docs))]
+    cases = [(axis, backend, m, c) for axis, m, c in sizes for backend in ("flash", "fa2-op")]
+    cases.append(("none", "doc_mask", None, None))
+    rows: list[dict[str, Any]] = []
+    for axis, backend, declared_max, capacity in cases:
+        if out_of_time():
+            break
+        row: dict[str, Any] = dict(
+            T=T, mix=mix, head_dim=head_dim, docs=docs, longest=longest, axis=axis, backend=backend,
+            declared_max=declared_max, capacity=capacity,
+        )  # fmt: skip
+        try:
+            if backend == "doc_mask":
+                attend = _runner("doc_mask", q, k, v, lengths, T)
+            else:
+                params = PackedSeqParams.from_seqlens(
+                    lengths, capacity=capacity, total_tokens=T, max_seqlen=declared_max, device=device
+                )
+                attend = (
+                    (lambda p=params: varlen_attention(q, k, v, p, causal=True))
+                    if backend == "flash"
+                    else _bare_fa2(q, k, v, params)
+                )
+            row["fwdbwd_ms"] = _fwdbwd_ms(attend, qkv, grad_out, reps)
+        except (RuntimeError, NotImplementedError) as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    return rows
+
+
+def _doublings(start: int, stop: int) -> list[int]:
+    """``start``, then each power of two above it up to ``stop``, then ``stop``."""
+    values, p = [start], 1 << start.bit_length()
+    while p < stop:
+        values.append(p)
+        p <<= 1
+    return values + ([stop] if stop > start else [])
+
+
+def sweep_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The declared-size sweep as a Markdown table: forward+backward ms at each declared size."""
     lines = [
-        "| T | mix | D | packing | docs | longest | backend | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| T | mix | D | docs | longest | axis | backend | max_seqlen | capacity | fwd+bwd ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [r["T"], r["mix"], r["head_dim"], r["docs"], r["longest"], r["axis"], r["backend"]]
+        cells += [r["declared_max"] or "-", r["capacity"] or "-", r.get("error") or _fmt(r.get("fwdbwd_ms"))]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def backends_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as a Markdown table: ms and TFLOP/s, forward and forward+backward, and the first call's seconds."""
+    lines = [
+        "| T | mix | D | packing | docs | longest | backend | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
+        "| first s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r and r.get("fwd_ms") is None:
-            cells = ["-", "-", "-", r["error"]]
+            cells = ["-", "-", "-", r["error"], "-"]
         else:
             cells = [
                 _fmt(r.get("fwd_ms")),
                 _fmt(r.get("fwd_tflops")),
                 _fmt(r.get("fwdbwd_ms")),
                 _fmt(r.get("fwdbwd_tflops")),
+                _fmt(r.get("first_s")),
             ]
             if "error" in r:
-                cells[-1] = r["error"]
+                cells[-2] = r["error"]
         head = [r["T"], r["mix"], r["head_dim"], r["packing"], r["docs"], r["longest"], r["backend"]]
         lines.append("| " + " | ".join(str(c) for c in [*head, *cells]) + " |")
     return "\n".join(lines) + "\n"

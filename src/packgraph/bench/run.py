@@ -348,33 +348,59 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
-    """``packgraph bench --backends``: writes backends.json (with the machine) and backends.md under --out."""
-    from packgraph.bench.backends import backend_benchmark, backends_markdown
+    """``packgraph bench --backends``: writes backends.json (with the machine) and backends.md under --out: the
+    backends side by side, then the declared-size sweep at each T (corpus mix, the largest head size)."""
+    from packgraph.bench.backends import (
+        BACKENDS,
+        backend_benchmark,
+        backends_markdown,
+        declared_size_sweep,
+        sweep_markdown,
+    )
     from packgraph.bench.data import MIXES
 
     T_values = args.T or [4096, 8192, 16384, 32768]
     mixes, head_dims = args.mixes or list(MIXES), args.head_dims or [64, 128]
     out = args.out or default_out_dir(device, dry_run=False)
     out.mkdir(parents=True, exist_ok=True)
-    total = len(T_values) * len(mixes) * len(head_dims) * 2 * 4
-    progress = _Progress(total, time_limit_s=args.time_limit_s)
+    packings = 2
+    progress = _Progress(
+        len(T_values) * (len(mixes) * len(head_dims) * packings * len(BACKENDS) + 1), time_limit_s=args.time_limit_s
+    )
 
     def on_row(row: dict[str, Any]) -> None:
-        shown = row.get("error") or f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwdbwd_ms']:.3f} ms"
-        progress.write(f"T={row['T']} {row['mix']} D={row['head_dim']} #{row['packing']} {row['backend']}: {shown}")
-        progress.advance()
+        if "axis" not in row:
+            shown = row.get("error") or f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwdbwd_ms']:.3f} ms"
+            progress.write(f"T={row['T']} {row['mix']} D={row['head_dim']} #{row['packing']} {row['backend']}: {shown}")
+            progress.advance()
 
     started = time.perf_counter()
+    sweep: list[dict[str, Any]] = []
     try:
         rows = backend_benchmark(
-            T_values, mixes, head_dims, seed=args.seed, device=device, out_of_time=progress.out_of_time, on_row=on_row
+            T_values,
+            mixes,
+            head_dims,
+            packings=packings,
+            seed=args.seed,
+            device=device,
+            out_of_time=progress.out_of_time,
+            on_row=on_row,
         )
+        for T in T_values:
+            sweep += declared_size_sweep(
+                T, max(head_dims), seed=args.seed, device=device, out_of_time=progress.out_of_time, on_row=on_row
+            )
+            progress.advance()
     finally:
         progress.close()
-    doc = {"machine": machine_info(device), "argv": sys.argv[1:], "rows": rows}
+    doc = {"machine": machine_info(device), "argv": sys.argv[1:], "rows": rows, "sweep": sweep}
     (out / "backends.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    (out / "backends.md").write_text(backends_markdown(rows))
-    print(backends_markdown(rows))
+    tables = (
+        backends_markdown(rows) + "\nDeclared sizes, one packing each (forward+backward):\n\n" + sweep_markdown(sweep)
+    )
+    (out / "backends.md").write_text(tables)
+    print(tables)
     print(f"wrote {out}/backends.json and backends.md in {time.perf_counter() - started:.0f} s")
     return 0 if any(r.get("fwd_ms") is not None for r in rows) else 1
 

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from packgraph import slot_boundary
-from packgraph.ops.doc_mask import doc_mask_attention
+from packgraph.ops.doc_mask import compile_static, doc_mask_attention
 from packgraph.ops.flash_chunks import SLOTS_PER_BACKWARD, flash_attention_slot_chunks, gqa_max_seqlen_q
 from packgraph.ops.short_docs import short_and_long_attention
 from packgraph.params import PackedSeqParams, PackedSeqParamsError, slot_of_rows
@@ -753,18 +753,4 @@ def _document_mask(
 
 @functools.cache
 def _compiled_document_mask() -> Callable[..., Tensor]:
-    # FlexAttention fuses its kernel only compiled; eagerly it materialises every score. One compiled callable
-    # for the process: each T (and dtype, head count, option set, grad mode) compiles once, at its first call,
-    # which a graph capture's warm-up makes before recording. Past dynamo's recompile limit (8 by default) a call
-    # would run that unfused eager path silently: the limit is raised, and a hit raises instead.
-    compiled = torch.compile(doc_mask_attention, dynamic=False)
-    config = torch._dynamo.config
-    names = getattr(config, "_config", {})
-    limits = {name: 64 for name in ("recompile_limit", "cache_size_limit") if name in names}
-    limits |= {name: True for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit") if name in names}
-
-    def call(*args: Any, **kwargs: Any) -> Tensor:
-        with config.patch(limits):
-            return compiled(*args, **kwargs)
-
-    return call
+    return compile_static(doc_mask_attention)

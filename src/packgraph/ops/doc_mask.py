@@ -22,6 +22,7 @@ FlashAttention is not measured yet (issue #36).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from packgraph.params import PackedSeqParams
 
-__all__ = ["doc_mask_attention", "document_block_mask"]
+__all__ = ["compile_static", "doc_mask_attention", "document_block_mask"]
 
 
 def _rows(params: PackedSeqParams, total: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -133,3 +134,23 @@ def doc_mask_attention(
     out = out[0].transpose(0, 1)
     # A row with no key (dead, or a ghost's) is defined as zeros, whatever the kernel leaves there.
     return torch.where(live.view(total, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def compile_static(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``fn`` under ``torch.compile(dynamic=False)``: each shape, dtype and grad mode compiles once, at its first call.
+
+    FlexAttention fuses its kernel only compiled; eagerly it materialises every score. Past dynamo's recompile
+    limit (8 by default) a call would silently run that unfused eager path: the limit is raised to 64 within the
+    calls, and a hit raises instead.
+    """
+    compiled = torch.compile(fn, dynamic=False)
+    config = torch._dynamo.config
+    names = getattr(config, "_config", {})
+    limits: dict[str, Any] = {name: 64 for name in ("recompile_limit", "cache_size_limit") if name in names}
+    limits |= {name: True for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit") if name in names}
+
+    def call(*args: Any, **kwargs: Any) -> Tensor:
+        with config.patch(limits):
+            return compiled(*args, **kwargs)
+
+    return call
