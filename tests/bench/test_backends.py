@@ -33,8 +33,8 @@ def test_the_cli_measures_every_backend_or_names_why_not(tmp_path):
         assert "CUDA only" in by[(packing, "fa2-op")]["error"] and by[(packing, "fa2-op")]["fwd_tflops"] is None
         doc_mask = by[(packing, "doc_mask")]  # FlexAttention: forward only on the CPU
         assert doc_mask["fwd_ms"] > 0 and "forward passes only on the CPU" in doc_mask["error"]
-        kernel = by[(packing, "doc_mask-kernel")]  # the bare kernel refuses inputs that require grad on the CPU
-        assert "fwd_ms" not in kernel and "backward on CPU" in kernel["error"]
+        kernel = by[(packing, "doc_mask-kernel")]  # torch's own refusal: no FlexAttention backward on the CPU
+        assert kernel["fwd_ms"] > 0 and "backward on CPU" in kernel["error"]
     sweep = doc["sweep"]  # one packing of the corpus mix at T=64: max_seqlen 64 only, capacity doubling to 512
     flash = [r for r in sweep if r["backend"] == "flash"]
     assert [(r["axis"], r["declared_max"], r["capacity"]) for r in flash] == [("max_seqlen", 64, 1)] + [

@@ -1,13 +1,17 @@
 """Document-mask attention (``packgraph.ops.doc_mask``, FlexAttention) on CUDA: forward and backward against the
 float64 reference, and one CUDA graph serving packings of every document count (issue #36).
 
-FlexAttention runs compiled here, as it is meant to: ``torch.compile`` of the whole call, warmed up before the
-capture, so the graph records the fused kernels. The packings are those of tests/cuda/test_ops_cuda.py (long and
-1-token documents, zero-length ones, ghost slots, no document at all).
+FlexAttention runs compiled here, as the backend runs it (``compiled=True``: the block mask's build and the
+attention compiled apart), warmed up before the capture, so the graph records the fused kernels. The packings are
+those of tests/cuda/test_ops_cuda.py (long and 1-token documents, zero-length ones, ghost slots, no document at
+all), and those of the attention benchmark.
 """
+
+import functools
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from packgraph.ops.doc_mask import doc_mask_attention
 from tests.cuda.test_ops_cuda import (
@@ -53,7 +57,7 @@ def _fwd_bwd(fn, q, k, v, params, weight, **options):
 @pytest.mark.parametrize("options", OPTIONS, ids=["causal", "window", "softcap", "two-sided"])
 @pytest.mark.parametrize("pad", [1, 8])
 def test_matches_float64_reference_with_grads(options, pad, report):
-    compiled = torch.compile(doc_mask_attention, fullgraph=False, dynamic=False)
+    compiled = functools.partial(doc_mask_attention, compiled=True)
     errors = []
     for i, lengths in enumerate(packings(6, seed=7, pad=pad)):
         params = make_params(lengths, pad)
@@ -75,7 +79,7 @@ def test_one_graph_serves_every_packing(report):
     pad = 1
     cases = packings(8, seed=11, pad=pad)
     static = StaticParams(cases[0], pad)
-    compiled = torch.compile(doc_mask_attention, fullgraph=False, dynamic=False)
+    compiled = functools.partial(doc_mask_attention, compiled=True)
     q, k, v = (randn(T, h, D, requires_grad=True) for h in (HQ, HKV, HKV))
     weight = bf16_weight(T, HQ, D)
 
@@ -126,3 +130,46 @@ def test_a_graphed_gpt_on_the_doc_mask_backend_needs_one_graph_per_layer(scope, 
     report(f"doc_mask GPT graphed[{scope}]: graph sets", graphed.num_graph_sets)
     assert worst_loss <= LOSS_ATOL and worst_grad <= GRAD_RTOL
     assert graphed.num_graph_sets == 1
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_benchmark_shapes_compile_once_and_match_flash(head_dim, report):
+    """The shapes of ``packgraph bench --backends`` (16 query heads over 8, T = 4096 and 8192), forward under
+    ``no_grad`` and forward+backward, through ``varlen_attention(backend="doc_mask")``, against the FA2 backend on
+    the same bf16 inputs. On torch 2.11 compiling the whole call failed there ("convert FlexibleLayout to
+    FixedLayout first"). Over the packings of one T nothing compiles again after the first."""
+    from packgraph.bench.data import batch_stream
+    from packgraph.buckets import default_buckets, document_mask_buckets
+    from packgraph.ops import varlen_attention
+    from packgraph.params import PackedSeqParams
+
+    errors = []
+    for total in (4096, 8192):
+        gen = torch.Generator(device="cuda").manual_seed(total)
+        q, k, v = (
+            torch.randn(total, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (16, 8, 8)
+        )
+        weight = torch.randn(total, 16, head_dim, device="cuda", generator=gen)
+        compiles = None
+        for mix in ("corpus", "short", "long", "buckets"):
+            for index, batch in enumerate(batch_stream(mix, total, 2, seed=7)):
+                lengths = list(batch.doc_lengths)
+                raw = PackedSeqParams.from_seqlens(lengths, total_tokens=total, max_seqlen=total, device="cuda")
+                outs = {}
+                for backend, policy in (("doc_mask", document_mask_buckets), ("flash", default_buckets)):
+                    params = policy(total).apply(raw)
+                    with torch.no_grad():
+                        forward = varlen_attention(q, k, v, params, backend=backend)
+                    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+                    out = varlen_attention(*leaves, params, backend=backend)
+                    grads = torch.autograd.grad((out.float() * weight).sum(), leaves)
+                    outs[backend] = (forward, out.detach(), *grads)
+                    if backend == "doc_mask" and compiles is None:
+                        compiles = counters["stats"]["unique_graphs"]  # after the first packing's compiles
+                where = f"T={total} {mix} #{index} ({len(lengths)} docs)"
+                errors += _errors(outs["doc_mask"][1:], outs["flash"][1:], where)
+                errors += [(rel_err(outs["doc_mask"][0], outs["flash"][0]), f"{where} no_grad out")]
+        assert counters["stats"]["unique_graphs"] == compiles, f"T={total}: a later packing compiled again"
+    worst, where = max(errors)
+    report(f"doc_mask vs flash, bench shapes D={head_dim}: worst rel err ({where})", f"{worst:.2e}")
+    assert worst <= TOL, sorted(errors, reverse=True)[:6]

@@ -84,6 +84,30 @@ def test_the_block_mask_is_built_without_a_host_read():
     assert int(live.sum()) == int(params.cu_seqlens_q[-1])
 
 
+def test_compiled_equals_eager_and_compiles_once_for_every_packing():
+    """``compiled=True`` (the backend's CUDA mode; Inductor's CPU template here) gives the eager values, and a new
+    packing of the same shape compiles nothing: the rows' documents enter the block mask's closure as tensors, which
+    dynamo takes as inputs, not as constants to guard on."""
+    from torch._dynamo.utils import counters
+
+    total = 256
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(total, h, 32, generator=g) for h in (4, 2, 2))
+    compiles = None
+    layouts = [dict(lengths=[100, 50]), dict(lengths=[10, 20, 30, 40], pad_to_multiple=8), dict(lengths=[256])]
+    for spec in [*layouts, dict(lengths=[1] * 200)]:
+        spec = dict(spec)
+        params = PackedSeqParams.from_seqlens(spec.pop("lengths"), capacity=total, total_tokens=total, **spec)
+        for options in (dict(), dict(window=(9, 0), softcap=3.0)):
+            with torch.no_grad():
+                got = doc_mask_attention(q, k, v, params, compiled=True, **options)
+                want = doc_mask_attention(q, k, v, params, **options)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{spec} {options}")
+        if compiles is None:
+            compiles = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == compiles
+
+
 def test_refuses_cross_attention_by_name():
     q, k, v, params = _case("plain", 4, 2)
     with pytest.raises(ValueError, match="use varlen_attention"):

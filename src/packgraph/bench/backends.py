@@ -10,8 +10,8 @@ For each packing of the benchmark's mixes, at each ``T`` and head size, the forw
   eager choice: the difference from ``fa2-op`` is the bucket's;
 * ``doc_mask``: ``varlen_attention(..., backend="doc_mask")`` (FlexAttention, compiled) under
   ``document_mask_buckets(T)``: one launch for every packing of ``T`` rows;
-* ``doc_mask-kernel``: the same compiled FlexAttention kernel on a block mask built once, outside the timing: the
-  difference from ``doc_mask`` is what building the mask on the device (and zeroing dead rows) costs in the graph.
+* ``doc_mask-kernel``: the same compiled attention (dead rows zeroed, FlexAttention) on a block mask built once,
+  outside the timing: the difference from ``doc_mask`` is what building the mask on the device costs in the graph.
 
 Each is timed as the median of CUDA-graph replays (CUDA events), as packgraph runs it. ``first_s`` is the wall time
 of the backend's first forward+backward call on that packing, before any timing: for the document mask at a new
@@ -26,7 +26,6 @@ grows with both; the document mask declares neither.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,7 +37,7 @@ from packgraph.bench.data import batch_stream
 from packgraph.buckets import default_buckets, document_mask_buckets
 from packgraph.ops import varlen_attention
 from packgraph.ops.attention import _torch_varlen_api
-from packgraph.ops.doc_mask import compile_static, document_block_mask
+from packgraph.ops.doc_mask import doc_mask_attention, document_block_mask
 from packgraph.params import PackedSeqParams
 
 __all__ = ["BACKENDS", "backend_benchmark", "causal_flops", "declared_size_sweep"]
@@ -85,23 +84,12 @@ def _bare_fa2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: PackedS
     return lambda: api(q, k, v, cu, cu, max_q, max_q, causal=True, softmax_scale=None)
 
 
-@functools.cache
-def _compiled_flex() -> Callable[..., torch.Tensor]:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return compile_static(flex_attention)
-
-
 def _flex_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: PackedSeqParams
 ) -> Callable[[], torch.Tensor]:
-    """The document mask's FlexAttention kernel on a block mask built now, once (compiled on CUDA, as the backend)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    block_mask, _ = document_block_mask(params, q.shape[0], q.device)
-    kernel = _compiled_flex() if q.is_cuda else flex_attention
-    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    return lambda: kernel(qh, kh, vh, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1)
+    """The document mask's attention on a block mask built now, once (compiled on CUDA, as the backend runs it)."""
+    mask = document_block_mask(params, q.shape[0], q.device, compiled=q.is_cuda)
+    return lambda: doc_mask_attention(q, k, v, params, compiled=q.is_cuda, mask=mask)
 
 
 def _times(

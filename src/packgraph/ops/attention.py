@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from packgraph import slot_boundary
-from packgraph.ops.doc_mask import compile_static, doc_mask_attention
+from packgraph.ops.doc_mask import doc_mask_attention
 from packgraph.ops.flash_chunks import SLOTS_PER_BACKWARD, flash_attention_slot_chunks, gqa_max_seqlen_q
 from packgraph.ops.short_docs import short_and_long_attention
 from packgraph.params import PackedSeqParams, PackedSeqParamsError, slot_of_rows
@@ -739,9 +739,18 @@ def _document_mask(
             "varlen_attention: backend='doc_mask' runs self-attention, whose q and k/v rows share one layout: the "
             "same cu_seqlens tensor for q and kv (and the same padded twin); use backend='flash' for other layouts"
         )
-    fn = _compiled_document_mask() if q.is_cuda else doc_mask_attention
     try:
-        return fn(q, k, v, params, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap)
+        return doc_mask_attention(
+            q,
+            k,
+            v,
+            params,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window=window,
+            softcap=softcap,
+            compiled=q.is_cuda,
+        )
     except NotImplementedError as exc:
         if q.is_cuda or "backward on CPU" not in str(exc):
             raise
@@ -749,8 +758,3 @@ def _document_mask(
             "varlen_attention: backend='doc_mask' runs forward passes only on the CPU (torch's FlexAttention has "
             "no CPU backward); use backend='flash', or call it under torch.no_grad()"
         ) from exc
-
-
-@functools.cache
-def _compiled_document_mask() -> Callable[..., Tensor]:
-    return compile_static(doc_mask_attention)

@@ -7,8 +7,9 @@ come from ``cu_seqlens`` by ``searchsorted`` on the device, so nothing is read o
 ``T`` and the mask's blocks only: not on ``max_seqlen`` nor on the number of documents. A graph of a layer that uses
 it therefore serves every packing of its ``T``, with no bucket ladder.
 
-It is ``varlen_attention``'s ``"doc_mask"`` backend, which compiles it on CUDA (FlexAttention fuses its kernel only
-compiled). On the H200 (torch 2.11), compiled, it matched the float64 reference within 3.5e-3 in bf16 (outputs and
+It is ``varlen_attention``'s ``"doc_mask"`` backend, which runs it ``compiled`` on CUDA (FlexAttention fuses its kernel
+only compiled): the block mask's build and the attention are compiled apart, the rows' documents computed eagerly
+between them. On the H200 (torch 2.11), compiled, it matched the float64 reference within 3.5e-3 in bf16 (outputs and
 grads, causal, windows, softcapping, padded layouts), and one CUDA graph of its forward and backward, block mask
 included, replayed 8 packings of 1 to 13 documents with no host read and the values of the compiled call
 (tests/cuda/test_doc_mask_cuda.py; bench/results/2026-12-03-h200-gpu-check-slot-fix/). Its speed against
@@ -22,6 +23,7 @@ FlashAttention is not measured yet (issue #36).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -56,14 +58,19 @@ def document_block_mask(
     *,
     causal: bool = True,
     window: tuple[int, int] | None = None,
+    compiled: bool = False,
 ) -> tuple[Any, Tensor]:
     """The FlexAttention block mask of a packed stream of ``total`` rows, and its live rows (bool ``[total]``).
 
     A query row sees the keys of its own document only (causal and ``window`` as in ``varlen_attention``); rows of no
-    document see nothing. Built on ``device`` from the offsets, with no host read.
+    document see nothing. Built on ``device`` from the offsets, with no host read; ``compiled`` builds it with
+    ``create_block_mask`` under torch.compile (eagerly it evaluates the mask at every (query, key) pair).
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
+    # The rows' slots are computed here, outside any compiled region, and enter the mask's closure as tensors:
+    # Inductor cannot render a mask_mod that indexes one of its own intermediates ("convert FlexibleLayout to
+    # FixedLayout first", torch 2.11, T = 4096 and up).
     slot, live = _rows(packed_seq_params, total, device)
     left, right = window if window is not None else (-1, -1)
 
@@ -77,7 +84,8 @@ def document_block_mask(
             keep = keep & (ki - qi <= right)
         return keep
 
-    return create_block_mask(mask_mod, 1, None, total, total, device=device), live
+    build = _compiled("create_block_mask") if compiled else create_block_mask
+    return build(mask_mod, 1, None, total, total, device=device), live
 
 
 def doc_mask_attention(
@@ -90,31 +98,53 @@ def doc_mask_attention(
     softmax_scale: float | None = None,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    compiled: bool = False,
+    mask: tuple[Any, Tensor] | None = None,
 ) -> Tensor:
     """Self-attention of packed documents, ``[T, Hq, D]`` x ``[T, Hkv, D]`` -> ``[T, Hq, D]``, by FlexAttention.
 
     Same options and results as :func:`~packgraph.ops.varlen_attention` for self-attention (``q`` and ``k`` rows
-    in one layout); ``window`` is ``(left, right)`` in FlashAttention's convention (-1: unbounded).
+    in one layout); ``window`` is ``(left, right)`` in FlashAttention's convention (-1: unbounded). ``compiled``
+    runs the block mask's build and the attention under torch.compile, each compiled once per shape, dtype, option
+    set and grad mode at its first call (:func:`compile_static`): FlexAttention fuses its kernel only compiled.
+    ``mask``: the ``(block_mask, live)`` of :func:`document_block_mask` for these params, ``causal`` and ``window``,
+    built ahead; by default it is built here.
 
     Raises:
         ValueError: ``q`` and ``k`` of different row counts (cross-attention: use ``varlen_attention``), or not
             ``[T, H, D]`` with ``Hq % Hkv == 0``.
     """
-    from torch.nn.attention.flex_attention import flex_attention
-
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1]:
         raise ValueError(
             f"doc_mask_attention takes self-attention q [T, Hq, D] and k, v [T, Hkv, D] with Hq % Hkv == 0, got "
             f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}; use varlen_attention for other shapes"
         )
+    if mask is None:
+        mask = document_block_mask(
+            packed_seq_params, q.shape[0], q.device, causal=causal, window=window, compiled=compiled
+        )
+    block_mask, live = mask
+    attend = _compiled("attend") if compiled else _attend
+    return attend(q, k, v, live, block_mask, softmax_scale, softcap)
+
+
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, live: Tensor, block_mask: Any, scale: float | None, softcap: float | None
+) -> Tensor:
+    """FlexAttention over ``[T, H, D]`` rows under ``block_mask``, with rows of no document zeroed in and out."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     total = q.shape[0]
-    block_mask, live = document_block_mask(packed_seq_params, total, q.device, causal=causal, window=window)
     # Rows of no document could hold anything (NaN from a diverged run): a partly masked block still multiplies
     # their values by a zero probability, so they are zeroed first, as FlashAttention never reads them. Their
-    # queries too, so that their grads are exact zeros whatever the kernel does with a row that sees no key.
-    q = torch.where(live.view(total, 1, 1), q, torch.zeros((), dtype=q.dtype, device=q.device))
-    k = torch.where(live.view(total, 1, 1), k, torch.zeros((), dtype=k.dtype, device=k.device))
-    v = torch.where(live.view(total, 1, 1), v, torch.zeros((), dtype=v.dtype, device=v.device))
+    # queries too, so that their grads are exact zeros whatever the kernel does with a row that sees no key. The
+    # zeroing writes each tensor as [1, H, T, D], the layout FlexAttention reads (and the only one Inductor's CPU
+    # template takes).
+    keep = live.view(1, 1, total, 1)
+    q, k, v = (
+        torch.where(keep, x.transpose(0, 1).unsqueeze(0), torch.zeros((), dtype=x.dtype, device=x.device))
+        for x in (q, k, v)
+    )
 
     score_mod = None
     if softcap is not None:
@@ -123,17 +153,19 @@ def doc_mask_attention(
             return softcap * torch.tanh(score / softcap)
 
     out = flex_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        score_mod=score_mod,
-        block_mask=block_mask,
-        scale=softmax_scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
     out = out[0].transpose(0, 1)
     # A row with no key (dead, or a ghost's) is defined as zeros, whatever the kernel leaves there.
     return torch.where(live.view(total, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+@functools.cache
+def _compiled(name: str) -> Callable[..., Any]:
+    """One compiled callable per process for each piece (the caches of torch.compile are per callable)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return compile_static({"create_block_mask": create_block_mask, "attend": _attend}[name])
 
 
 def compile_static(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
