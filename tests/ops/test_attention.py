@@ -429,6 +429,16 @@ def test_flash_path_with_fake_kernel(version, case):
             (want * weight).sum().backward()
             for a, b in zip(leaves, ref, strict=True):
                 torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+    # A dead row's output is a constant zero: its incoming gradient, NaN here, must reach no grad (the output's
+    # zeroing passes the gradient through unchanged, and FA2 reads no row outside its segments).
+    live = attention_mod.row_layout(params, "q", t).live[:, None, None]
+    poisoned = torch.where(live, weight, float("nan"))
+    leaves = [x.clone().requires_grad_() for x in base]
+    attention_mod._flash_attention(*leaves, params, causal=True, softmax_scale=None, api=api).backward(poisoned)
+    ref = [x.clone().requires_grad_() for x in base]
+    naive_attention(*ref, params, True).backward(torch.where(live, weight, 0.0))
+    for a, b in zip(leaves, ref, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
     gqa_native = version == "2.12"
     assert all(c["hkv"] == (2 if gqa_native else 4) for c in calls), calls
     if gqa_native:

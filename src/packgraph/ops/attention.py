@@ -103,6 +103,19 @@ def _row_layouts(q: Tensor, k: Tensor, params: PackedSeqParams) -> tuple[RowLayo
     return rows_q, (rows_q if shared else row_layout(params, "kv", k.shape[0]))
 
 
+def _live_rows(params: PackedSeqParams, which: str, n_rows: int) -> Tensor:
+    """Bool ``[n_rows]``: the rows inside a document of the ``"q"`` or ``"kv"`` side. No host sync.
+
+    Without a padded twin the documents fill ``[0, cu_seqlens[-1])`` back to back (offsets start at 0 and never
+    decrease), so one comparison tells them; FlashAttention's path runs it in every layer, where the full
+    :func:`row_layout` (a dozen small kernels) showed in its time. With a padded twin, the row layout's.
+    """
+    if getattr(params, f"cu_seqlens_{which}_padded") is not None:
+        return row_layout(params, which, n_rows).live
+    cu = getattr(params, f"cu_seqlens_{which}")
+    return torch.arange(n_rows, device=cu.device) < cu[-1]
+
+
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams) -> None:
     """Shape/dtype/device checks that need no device values (cheap enough to run on every call)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -538,9 +551,9 @@ def _flash_attention(
             raise PackedSeqParamsError(name, "required (a static Python int) for FlashAttention")
     if window is not None and api.causal_kw != "window_size":
         raise NotImplementedError(_NEEDS_WINDOW_SIZE)
-    rows_q, rows_k = _row_layouts(q, k, params)
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if _short_docs_apply(q, k, params, causal):
+        rows_q = row_layout(params, "q", q.shape[0])
         flash = functools.partial(
             _run_flash, params=params, causal=causal, softmax_scale=softmax_scale, api=api, grads=grads, window=window
         )
@@ -558,12 +571,15 @@ def _flash_attention(
             zero_dead_grad=_ZeroDeadRowGrad.apply,
             window_left=None if window is None else window[0],
         )
+    live_q = _live_rows(params, "q", q.shape[0])
+    shared = _kv_shares_q_offsets(params) and k.shape[0] == q.shape[0]
+    live_k = live_q if shared else _live_rows(params, "kv", k.shape[0])
     if q.requires_grad:
-        q = _ZeroDeadRowGrad.apply(q, rows_q.live)
+        q = _ZeroDeadRowGrad.apply(q, live_q)
     if k.requires_grad:
-        k = _ZeroDeadRowGrad.apply(k, rows_k.live)
+        k = _ZeroDeadRowGrad.apply(k, live_k)
     if v.requires_grad:
-        v = _ZeroDeadRowGrad.apply(v, rows_k.live)
+        v = _ZeroDeadRowGrad.apply(v, live_k)
     out = _run_flash(
         q,
         k,
@@ -576,8 +592,26 @@ def _flash_attention(
         grads=grads,
         window=window,
     )
-    # The kernel leaves dead rows unwritten (garbage, possibly NaN): select zeros, don't multiply.
-    return torch.where(rows_q.live[:, None, None], out, 0)
+    return _ZeroDeadRowsOut.apply(out, live_q)
+
+
+class _ZeroDeadRowsOut(torch.autograd.Function):
+    """Dead rows of FA2's output set to exact zeros; the backward passes the gradient through unchanged.
+
+    The kernel leaves rows outside its segments unwritten (garbage, possibly NaN): select zeros, don't multiply.
+    The gradient of those rows needs no zeroing on the way back: FA2's backward never reads a row outside its
+    segments, a padding segment's rows reach only the grads of that segment's own rows, and those
+    :class:`_ZeroDeadRowGrad` zeroes. One elementwise pass of the output's size fewer than ``torch.where``'s
+    backward.
+    """
+
+    @staticmethod
+    def forward(ctx, out: Tensor, live: Tensor) -> Tensor:
+        return torch.where(live[:, None, None], out, 0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
 
 
 def _run_flash(
