@@ -27,6 +27,7 @@ from packgraph.ops import varlen_attention
 from packgraph.params import PackedSeqParams
 
 __all__ = [
+    "capture_graph",
     "attention_benchmark",
     "attention_grid",
     "candidate_ladders",
@@ -53,12 +54,9 @@ def attention_grid(true_max: int, num_seqs: int, T: int, policy: BucketPolicy) -
     return sorted(seqlens), sorted(capacities)
 
 
-def graph_replay_ms(fn: Callable[[], object], device: torch.device, *, reps: int, warmup: int = 2) -> list[float]:
-    """Milliseconds of each of ``reps`` replays of a CUDA graph of ``fn()``, timed with CUDA events.
-
-    ``fn`` runs ``max(warmup, 1)`` times eagerly on a side stream first (lazy initialisation stays out of the
-    capture), and the graph replays as often before the timed replays.
-    """
+def capture_graph(fn: Callable[[], object], device: torch.device, *, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn()``, replayed ``max(warmup, 1)`` times. ``fn`` runs as often eagerly on a side stream
+    first, so that lazy initialisation (and torch.compile) stays out of the capture."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -70,6 +68,13 @@ def graph_replay_ms(fn: Callable[[], object], device: torch.device, *, reps: int
         fn()
     for _ in range(max(warmup, 1)):
         graph.replay()
+    return graph
+
+
+def graph_replay_ms(fn: Callable[[], object], device: torch.device, *, reps: int, warmup: int = 2) -> list[float]:
+    """Milliseconds of each of ``reps`` replays of a CUDA graph of ``fn()`` (:func:`capture_graph`), timed with
+    CUDA events."""
+    graph = capture_graph(fn, device, warmup=warmup)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
         start.record()

@@ -19,6 +19,7 @@ of the backend's first forward+backward call on that packing, before any timing:
 ``4 * D * Hq`` flops per visible (query, key) pair forward, 2.5 times that backward (FlashAttention's accounting),
 so every backend is scored on the same useful work.
 
+:func:`wrapper_kernels` lists, kernel by kernel, what ``flash`` launches beyond ``fa2-op`` on one packing.
 :func:`declared_size_sweep` holds one packing fixed and grows what a graph declares instead: ``max_seqlen`` from
 the longest document to ``T``, and the slot capacity from the document count to 512. FlashAttention's launch grid
 grows with both; the document mask declares neither.
@@ -40,7 +41,7 @@ from packgraph.ops.attention import _torch_varlen_api
 from packgraph.ops.doc_mask import doc_mask_attention, document_block_mask
 from packgraph.params import PackedSeqParams
 
-__all__ = ["BACKENDS", "backend_benchmark", "causal_flops", "declared_size_sweep"]
+__all__ = ["BACKENDS", "backend_benchmark", "causal_flops", "declared_size_sweep", "wrapper_kernels"]
 
 BACKENDS: tuple[str, ...] = ("flash", "fa2-op", "fa2-op-exact", "doc_mask", "doc_mask-kernel")
 BACKWARD_FLOPS = 2.5  # backward flops per forward flop, FlashAttention's convention
@@ -247,6 +248,61 @@ def declared_size_sweep(
         if on_row is not None:
             on_row(row)
     return rows
+
+
+def wrapper_kernels(
+    T: int,
+    head_dim: int,
+    *,
+    mix: str = "corpus",
+    heads: int = 16,
+    kv_heads: int = 8,
+    steps: int = 20,
+    seed: int = 0,
+    device: torch.device | str = "cuda",
+) -> list[dict[str, Any]]:
+    """What ``varlen_attention`` launches beyond the bare op: the kernels of one packing's forward+backward graph,
+    ``flash`` against ``fa2-op`` on the same bucket, under ``torch.profiler`` over ``steps`` replays (CUDA only).
+
+    One row per kernel name: ``flash_ms`` and ``op_ms`` per step (0.0 where a backend does not launch it), sorted by
+    the difference, heaviest first, so the head of the list names the wrapper's cost.
+    """
+    from packgraph.bench.attention import capture_graph
+    from packgraph.bench.profiling import gpu_busy_ms
+
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    (batch,) = batch_stream(mix, T, 1, seed=seed + 7)
+    lengths = list(batch.doc_lengths)
+    q = torch.randn(T, heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k, v = (
+        torch.randn(T, kv_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+        for _ in "kv"
+    )
+    qkv, grad_out = (q, k, v), torch.ones_like(q)
+    per_backend: dict[str, dict[str, float]] = {}
+    for backend in ("flash", "fa2-op"):
+        attend = _runner(backend, q, k, v, lengths, T)
+        graph = capture_graph(lambda attend=attend: torch.autograd.grad(attend(), qkv, grad_out), device)
+        profile = gpu_busy_ms(lambda _, graph=graph: graph.replay(), steps=steps, top=1000)
+        per_backend[backend] = {name: ms for name, ms in profile.top}
+    names = set(per_backend["flash"]) | set(per_backend["fa2-op"])
+    rows = [
+        dict(T=T, mix=mix, head_dim=head_dim, docs=len(lengths), kernel=name,
+             flash_ms=per_backend["flash"].get(name, 0.0), op_ms=per_backend["fa2-op"].get(name, 0.0))
+        for name in names
+    ]  # fmt: skip
+    return sorted(rows, key=lambda r: r["op_ms"] - r["flash_ms"])
+
+
+def kernels_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The wrapper's kernels as a Markdown table: ms per forward+backward step through packgraph and bare."""
+    lines = ["| T | mix | D | docs | kernel | flash ms | fa2-op ms | difference |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [r["T"], r["mix"], r["head_dim"], r["docs"], r["kernel"].replace("|", "/")]
+        cells += [f"{r['flash_ms']:.4f}", f"{r['op_ms']:.4f}", f"{r['flash_ms'] - r['op_ms']:+.4f}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _doublings(start: int, stop: int) -> list[int]:

@@ -355,7 +355,9 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
         backend_benchmark,
         backends_markdown,
         declared_size_sweep,
+        kernels_markdown,
         sweep_markdown,
+        wrapper_kernels,
     )
     from packgraph.bench.data import MIXES
 
@@ -376,7 +378,21 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
 
     started = time.perf_counter()
     sweep: list[dict[str, Any]] = []
-    try:
+    # First, as it is short and names the wrapper's cost: the kernels of FA2 through packgraph and bare (CUDA only).
+    kernels: list[dict[str, Any]] = []
+    kernels_error = None
+    if device.type == "cuda":
+        try:
+            kernels = [r for T in T_values[:2] for r in wrapper_kernels(T, max(head_dims), device=device)]
+        except RuntimeError as exc:  # recorded, and the timings still run
+            kernels_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            print(f"warning: the wrapper's kernel profile failed ({kernels_error})", file=sys.stderr)
+    try:  # the sweep before the matrix: a time limit cuts the matrix's last rows, not the sweep
+        for T in T_values:
+            sweep += declared_size_sweep(
+                T, max(head_dims), seed=args.seed, device=device, out_of_time=progress.out_of_time, on_row=on_row
+            )
+            progress.advance()
         rows = backend_benchmark(
             T_values,
             mixes,
@@ -387,18 +403,17 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
             out_of_time=progress.out_of_time,
             on_row=on_row,
         )
-        for T in T_values:
-            sweep += declared_size_sweep(
-                T, max(head_dims), seed=args.seed, device=device, out_of_time=progress.out_of_time, on_row=on_row
-            )
-            progress.advance()
     finally:
         progress.close()
-    doc = {"machine": machine_info(device), "argv": sys.argv[1:], "rows": rows, "sweep": sweep}
+    doc = {"machine": machine_info(device), "argv": sys.argv[1:], "rows": rows, "sweep": sweep, "kernels": kernels}
+    if kernels_error:
+        doc["kernels_error"] = kernels_error
     (out / "backends.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     tables = (
         backends_markdown(rows) + "\nDeclared sizes, one packing each (forward+backward):\n\n" + sweep_markdown(sweep)
     )
+    if kernels:
+        tables += "\nKernels of one forward+backward, FA2 through packgraph and bare:\n\n" + kernels_markdown(kernels)
     (out / "backends.md").write_text(tables)
     print(tables)
     print(f"wrote {out}/backends.json and backends.md in {time.perf_counter() - started:.0f} s")
