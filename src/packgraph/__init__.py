@@ -4,6 +4,7 @@ The public API:
 
 * the contract: :class:`PackedSeqParams`, :class:`PackedSeqParamsError`, :class:`StaticSignature`;
 * data: :func:`pack_sequences`, :class:`PackedBatch`, :func:`fixed_shape_sample`, :class:`BucketPolicy`;
+* the attention backend, measured on the device: :func:`choose_attention_backend`;
 * graphs: :func:`capture`, :func:`capture_layers`, :class:`GraphSignatureError`, :func:`find_host_syncs`;
 * ops (graph-safe): ``packgraph.ops.varlen_attention``, ``packgraph.ops.apply_rope_thd``;
 * the reference model: ``packgraph.models.GPT`` and ``GPTConfig``.
@@ -11,6 +12,7 @@ The public API:
 Integrations (``packgraph.integrations.hf``, ``.megatron``) and ``packgraph.distributed`` are imported on demand.
 """
 
+from packgraph.backend_choice import BackendChoice, choose_attention_backend
 from packgraph.buckets import Bucket, BucketPolicy, default_buckets, document_mask_buckets
 from packgraph.graphs import (
     GraphCaptureError,
@@ -26,6 +28,7 @@ from packgraph.packing import PackedBatch, Packing, batches_from_corpus, fixed_s
 from packgraph.params import PackedSeqParams, PackedSeqParamsError, StaticSignature
 
 __all__ = [
+    "BackendChoice",
     "Bucket",
     "BucketPolicy",
     "GraphCaptureError",
@@ -41,6 +44,7 @@ __all__ = [
     "batches_from_corpus",
     "capture",
     "capture_layers",
+    "choose_attention_backend",
     "default_buckets",
     "document_mask_buckets",
     "find_host_syncs",

@@ -169,6 +169,13 @@ def _add_model_and_buckets(p: argparse.ArgumentParser, *, scope: bool = True) ->
     )
     if scope:
         p.add_argument("--scope", default="layer", choices=SCOPES, help="what is graphed (default layer)")
+    p.add_argument(
+        "--attention-backend",
+        default="flash",
+        choices=("flash", "doc_mask", "auto"),
+        help="FlashAttention-2 over bucketed max_seqlen (flash), FlexAttention's document mask, one graph per layer "
+        "for every packing (doc_mask), or the faster of the two measured on the device first (auto)",
+    )
     p.add_argument("--max-seqlen-ladder", type=_ladder, default=None, help="static max_seqlen rungs, e.g. 256,512,2048")
     p.add_argument("--capacity-ladder", type=_ladder, default=None, help="cu_seqlens capacity rungs, e.g. 8,32,128")
 
@@ -278,6 +285,7 @@ def _train_config(args: argparse.Namespace, device, graphs: bool, out_dir: Path,
         device=str(device),
         graphs=graphs,
         scope=getattr(args, "scope", "layer"),  # demo has --scopes instead
+        attention_backend=args.attention_backend,
         max_seqlen_ladder=args.max_seqlen_ladder,
         capacity_ladder=args.capacity_ladder,
         max_docs=args.max_docs,
@@ -377,7 +385,7 @@ def cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-def _load_model(args: argparse.Namespace, device):
+def _load_model(args: argparse.Namespace, device, attention_backend: str = "flash"):
     import torch
 
     from packgraph.models.gpt import GPT, GPTConfig
@@ -403,9 +411,13 @@ def _load_model(args: argparse.Namespace, device):
         preset = saved.get("preset") if isinstance(saved, dict) else None
         if args.preset and preset and args.preset != preset:
             raise CLIError(f"--preset {args.preset} does not match the checkpoint's model")
+        if model.cfg.attention_backend != attention_backend:
+            # The attention backend is no weight: the checkpoint's model runs on the one asked for.
+            model = GPT(dataclasses.replace(model.cfg, attention_backend=attention_backend))
+            model.load_state_dict(ckpt["model"])
         return model.to(device), str(path)
     torch.manual_seed(args.seed)
-    return GPT(GPTConfig.preset(args.preset or "tiny")).to(device), None
+    return GPT(GPTConfig.preset(args.preset or "tiny", attention_backend=attention_backend)).to(device), None
 
 
 def cmd_score(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -420,8 +432,8 @@ def cmd_score(args: argparse.Namespace, argv: Sequence[str]) -> int:
     device = _device(args.device)
     graphs = _check_graphs(args.graphs, device)
     out_dir = _out_path(args, "score")
-    cfg = _train_config(args, device, graphs, out_dir, max_docs=args.max_docs or 100)
-    model, source = _load_model(args, device)
+    cfg = _train_config(args, device, graphs, out_dir, max_docs=args.max_docs or 100).resolved(device, print)
+    model, source = _load_model(args, device, cfg.attention_backend)
     _make_dir(out_dir, "score", args)
     print(f"packgraph score on {device}; model {source or 'fresh init (seed ' + str(args.seed) + ')'}")
     print(f"out dir: {out_dir}")

@@ -8,6 +8,7 @@ all), and those of the attention benchmark.
 """
 
 import functools
+import math
 
 import pytest
 import torch
@@ -173,3 +174,28 @@ def test_benchmark_shapes_compile_once_and_match_flash(head_dim, report):
     worst, where = max(errors)
     report(f"doc_mask vs flash, bench shapes D={head_dim}: worst rel err ({where})", f"{worst:.2e}")
     assert worst <= TOL, sorted(errors, reverse=True)[:6]
+
+
+def test_choose_attention_backend_measures_both_and_returns_the_policy_of_its_choice(report, tmp_path):
+    """``choose_attention_backend`` on this GPU: both backends timed, the smaller sum chosen, its own bucket policy;
+    and ``packgraph train --attention-backend auto`` trains on the backend it names, graphed, losses finite."""
+    from packgraph.backend_choice import choose_attention_backend
+    from packgraph.buckets import default_buckets, document_mask_buckets
+    from packgraph.train import TrainConfig, train
+
+    choice = choose_attention_backend(2048, 8, 4, 64, device="cuda", reps=5)
+    assert set(choice.times_ms) == {"flash", "doc_mask"} and all(ms > 0 for ms in choice.times_ms.values())
+    assert choice.backend == min(choice.times_ms, key=choice.times_ms.__getitem__)
+    want = {"flash": default_buckets, "doc_mask": document_mask_buckets}[choice.backend](2048)
+    assert choice.policy == want
+    report("auto backend at T=2048, 8/4 heads of 64: ms flash / doc_mask", choice.times_ms)
+
+    lines = []
+    cfg = TrainConfig(T=1024, steps=4, attention_backend="auto", graphs=True, device="cuda", out_dir=str(tmp_path),
+                      progress=False, plot=False, max_docs=200)  # fmt: skip
+    result = train(cfg, echo=lines.append)
+    chosen = [line for line in lines if line.startswith("attention backend: ")]
+    assert len(chosen) == 1, lines
+    backend = chosen[0].split()[2]
+    assert backend in ("flash", "doc_mask")
+    assert len(result.losses) == 4 and all(math.isfinite(x) for x in result.losses)

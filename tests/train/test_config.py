@@ -67,3 +67,40 @@ def test_train_cli_caps_the_default_min_chunk_len_at_chunk_len():
     assert min_chunk_len("--chunk-len", "32") == 32
     assert min_chunk_len("--chunk-len", "512") == 64
     assert min_chunk_len("--chunk-len", "512", "--min-chunk-len", "8") == 8
+
+
+def test_the_attention_backend_is_checked_and_resolved():
+    """``flash``, ``doc_mask`` (one bucket, ``document_mask_buckets``) or ``auto`` (the faster on the device: on the
+    CPU, flash without measuring); ladders belong to FlashAttention; the document mask cannot train on the CPU."""
+    import torch
+
+    from packgraph.buckets import default_buckets, document_mask_buckets
+
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        TrainConfig(attention_backend="cudnn").validate()
+    with pytest.raises(ValueError, match="bucket ladders are FlashAttention's"):
+        TrainConfig(attention_backend="doc_mask", capacity_ladder=(8, 32)).validate()
+    doc_mask = TrainConfig(T=512, attention_backend="doc_mask").validate()
+    assert doc_mask.bucket_policy() == document_mask_buckets(512)
+    assert doc_mask.model_config().attention_backend == "doc_mask"
+    with pytest.raises(ValueError, match="cannot train on the CPU"):
+        doc_mask.resolved(torch.device("cpu"))
+    auto = TrainConfig(T=512, attention_backend="auto").validate()
+    with pytest.raises(ValueError, match="TrainConfig.resolved"):
+        auto.bucket_policy()
+    lines = []
+    resolved = auto.resolved(torch.device("cpu"), lines.append)
+    assert resolved.attention_backend == "flash" and resolved.bucket_policy() == default_buckets(512)
+    assert lines == ["attention backend: flash (auto: cpu: the document mask has no backward)"]
+
+
+def test_train_cli_refuses_the_document_mask_on_the_cpu_in_one_line(tmp_path, capsys):
+    from packgraph.cli import main
+
+    out_dir = tmp_path / "run"
+    code = main(
+        ["train", "--device", "cpu", "--steps", "1", "--attention-backend", "doc_mask", "--out-dir", str(out_dir)]
+    )
+    _, err = capsys.readouterr()
+    assert code == 2 and "cannot train on the CPU" in err and err.count("\n") == 1, err
+    assert not out_dir.exists()

@@ -21,19 +21,18 @@ from typing import Any
 
 import torch
 
+from packgraph.backend_choice import graph_replay_ms
 from packgraph.bench.data import batch_stream
 from packgraph.buckets import BucketPolicy, default_buckets, geometric_ladder
 from packgraph.ops import varlen_attention
 from packgraph.params import PackedSeqParams
 
 __all__ = [
-    "capture_graph",
     "attention_benchmark",
     "attention_grid",
     "candidate_ladders",
     "evaluate_ladders",
     "recommend_ladder",
-    "graph_replay_ms",
     "median_ms",
     "time_attention",
 ]
@@ -52,38 +51,6 @@ def attention_grid(true_max: int, num_seqs: int, T: int, policy: BucketPolicy) -
     seqlens |= {r for r in policy.max_seqlen_ladder if true_max <= r <= T}
     capacities = {num_seqs} | {c for c in (*CAPACITY_RUNGS, *policy.capacity_ladder) if c >= num_seqs}
     return sorted(seqlens), sorted(capacities)
-
-
-def capture_graph(fn: Callable[[], object], device: torch.device, *, warmup: int = 2) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``fn()``, replayed ``max(warmup, 1)`` times. ``fn`` runs as often eagerly on a side stream
-    first, so that lazy initialisation (and torch.compile) stays out of the capture."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(max(warmup, 1)):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(max(warmup, 1)):
-        graph.replay()
-    return graph
-
-
-def graph_replay_ms(fn: Callable[[], object], device: torch.device, *, reps: int, warmup: int = 2) -> list[float]:
-    """Milliseconds of each of ``reps`` replays of a CUDA graph of ``fn()`` (:func:`capture_graph`), timed with
-    CUDA events."""
-    graph = capture_graph(fn, device, warmup=warmup)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize(device)
-    times = [start.elapsed_time(end) for start, end in events]
-    del graph
-    return times
 
 
 def time_attention(

@@ -267,7 +267,7 @@ def wrapper_kernels(
     One row per kernel name: ``flash_ms`` and ``op_ms`` per step (0.0 where a backend does not launch it), sorted by
     the difference, heaviest first, so the head of the list names the wrapper's cost.
     """
-    from packgraph.bench.attention import capture_graph
+    from packgraph.backend_choice import capture_graph
     from packgraph.bench.profiling import gpu_busy_ms
 
     device = torch.device(device)

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from packgraph.buckets import BucketPolicy, default_buckets
+from packgraph.buckets import BucketPolicy, default_buckets, document_mask_buckets
 from packgraph.data.corpus import VOCAB_SIZE
 from packgraph.models.gpt import SCOPES, GPTConfig
 from packgraph.packing import PACKING_ALGORITHMS
 
 __all__ = ["TrainConfig", "resolve_device", "default_out_dir"]
 
+
+ATTENTION_BACKENDS = ("flash", "doc_mask", "auto")
+"""The model's attention: ``varlen_attention``'s two backends, or the faster on the device (``"auto"``)."""
 
 DP_ENGINES = ("ddp", "allreduce")
 """Who sums the gradients over the ranks of a ``torchrun`` job (:mod:`packgraph.train.parallel`)."""
@@ -28,6 +33,9 @@ class TrainConfig:
 
     ``T`` is the rows per micro-batch (static: every batch has exactly ``T`` rows). ``graphs=None`` means "on
     when the device is CUDA". Bucket ladders default to :func:`~packgraph.buckets.default_buckets` of ``T``.
+    ``attention_backend`` is the model's: ``"flash"``, ``"doc_mask"`` (one bucket,
+    :func:`~packgraph.buckets.document_mask_buckets`) or ``"auto"``, which :meth:`resolved` turns into the faster
+    of the two on the run's device (:func:`~packgraph.backend_choice.choose_attention_backend`).
     ``log_every`` is how often the loop reads its values from the device (see :mod:`packgraph.train`); every
     step is still logged, with its own loss.
     """
@@ -49,6 +57,7 @@ class TrainConfig:
     autocast: bool = True
     graphs: bool | None = False
     scope: str = "layer"
+    attention_backend: str = "flash"
     max_seqlen_ladder: tuple[int, ...] | None = None
     capacity_ladder: tuple[int, ...] | None = None
     max_docs: int | None = None
@@ -102,11 +111,55 @@ class TrainConfig:
         need(self.algorithm in PACKING_ALGORITHMS, f"algorithm must be one of {PACKING_ALGORITHMS}")
         need(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         need(self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}")
-        self.bucket_policy()  # raises on bad ladders
+        need(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        need(
+            self.attention_backend == "flash" or (self.max_seqlen_ladder is None and self.capacity_ladder is None),
+            f"bucket ladders are FlashAttention's: attention_backend {self.attention_backend!r} runs "
+            "document_mask_buckets(T) (one bucket) when it runs the document mask; drop --max-seqlen-ladder and "
+            "--capacity-ladder, or use --attention-backend flash",
+        )
+        if self.attention_backend != "auto":
+            self.bucket_policy()  # raises on bad ladders
         return self
 
+    def resolved(self, device: torch.device, echo: Callable[[str], None] | None = None) -> TrainConfig:
+        """This config with ``attention_backend="auto"`` replaced by the backend measured faster on ``device`` for
+        its model's attention shape (itself otherwise). ``echo`` gets a line with the measured times.
+
+        Raises:
+            ValueError: ``"doc_mask"`` on a CPU device (torch's FlexAttention has no backward there).
+        """
+        if self.attention_backend == "doc_mask" and device.type == "cpu":
+            raise ValueError(
+                "attention_backend 'doc_mask' cannot train on the CPU (torch's FlexAttention has no backward there); "
+                "use --attention-backend flash (or auto, which picks flash on the CPU)"
+            )
+        if self.attention_backend != "auto":
+            return self
+        from packgraph.backend_choice import choose_attention_backend
+
+        model = self._model_config("flash")
+        choice = choose_attention_backend(
+            self.T,
+            model.n_head,
+            model.n_kv_head,
+            model.head_dim,
+            device=device,
+            dtype=torch.bfloat16 if self.autocast else torch.float32,
+        )
+        if echo is not None:
+            measured = ", ".join(f"{name} {ms:.3f} ms" for name, ms in choice.times_ms.items()) or choice.reason
+            echo(f"attention backend: {choice.backend} (auto: {measured})")
+        return dataclasses.replace(self, attention_backend=choice.backend)
+
     def bucket_policy(self) -> BucketPolicy:
-        """The policy batches are bucketed with (``ValueError`` on bad ladders)."""
+        """The policy batches are bucketed with (``ValueError`` on bad ladders, or an unresolved ``"auto"``)."""
+        self._need_resolved()
+        if self.attention_backend == "doc_mask":
+            return document_mask_buckets(self.T)
         default = default_buckets(self.T)
         policy = BucketPolicy(
             tuple(self.max_seqlen_ladder or default.max_seqlen_ladder),
@@ -117,7 +170,16 @@ class TrainConfig:
         return policy
 
     def model_config(self) -> GPTConfig:
-        return GPTConfig.preset(self.preset, vocab_size=VOCAB_SIZE, **self.model_overrides)
+        self._need_resolved()
+        return self._model_config(self.attention_backend)
+
+    def _model_config(self, attention_backend: str) -> GPTConfig:
+        overrides = {"attention_backend": attention_backend, **self.model_overrides}
+        return GPTConfig.preset(self.preset, vocab_size=VOCAB_SIZE, **overrides)
+
+    def _need_resolved(self) -> None:
+        if self.attention_backend == "auto":
+            raise ValueError("attention_backend 'auto' is chosen on the run's device: use TrainConfig.resolved(device)")
 
 
 _DEFAULT_MIN_CHUNK_LEN = TrainConfig.__dataclass_fields__["min_chunk_len"].default

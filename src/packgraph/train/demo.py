@@ -242,6 +242,7 @@ def run_demo(
     """
     cfg.validate()
     device = resolve_device(cfg.device)
+    cfg = cfg.resolved(device, echo)
     cuda = device.type == "cuda"
     if scopes and not cuda and stand_in() is None:  # (a stand-in recorder: CPU tests of the graphed runs)
         raise ValueError("the graphed runs need CUDA; pass scopes=() for an eager-only demo on this device")

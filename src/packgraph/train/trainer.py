@@ -156,9 +156,10 @@ class Trainer:
         prepare_out_dir: Callable[[], None] | None = None,
     ) -> None:
         cfg.validate()
+        device = resolve_device(cfg.device)
+        cfg = cfg.resolved(device, echo)
         self.cfg = cfg
         self._prepare_out_dir = prepare_out_dir
-        device = resolve_device(cfg.device)
         self.graphs = device.type == "cuda" if cfg.graphs is None else cfg.graphs
         if self.graphs and device.type != "cuda" and stand_in() is None:  # (a stand-in recorder: CPU tests)
             raise ValueError("CUDA graphs need a CUDA device; run with --no-graphs (eager) or on a GPU")
