@@ -199,3 +199,28 @@ def test_choose_attention_backend_measures_both_and_returns_the_policy_of_its_ch
     backend = chosen[0].split()[2]
     assert backend in ("flash", "doc_mask")
     assert len(result.losses) == 4 and all(math.isfinite(x) for x in result.losses)
+
+
+def test_deterministic_training_on_the_doc_mask_backend_is_bitwise_eager_or_refused(tmp_path, report):
+    """``packgraph train --attention-backend doc_mask`` under deterministic kernels: graphed-layer losses equal
+    eager's bit for bit over 15 steps (the graphs replay the same compiled kernels), or torch refuses FlexAttention
+    under deterministic algorithms by name, eagerly as well as graphed."""
+    from packgraph.train import train
+    from tests.cuda.test_gpt_cuda import tiny_run
+
+    runs, errors = {}, {}
+    for name, overrides in (("eager", {"graphs": False}), ("graphed-layer", {"graphs": True, "scope": "layer"})):
+        cfg = tiny_run(tmp_path / name, 15, deterministic=True, attention_backend="doc_mask", **overrides)
+        try:
+            runs[name] = train(cfg, echo=None).losses
+        except RuntimeError as exc:
+            errors[name] = str(exc).splitlines()[0]
+    if errors:
+        assert set(errors) == {"eager", "graphed-layer"} and all("determinis" in e for e in errors.values()), errors
+        report("doc_mask deterministic training: refused by torch", errors["eager"][:120])
+        return
+    assert all(loss == loss for loss in runs["eager"])
+    report(
+        "doc_mask deterministic 15 steps: losses equal graphed-layer vs eager", runs["graphed-layer"] == runs["eager"]
+    )
+    assert runs["graphed-layer"] == runs["eager"]

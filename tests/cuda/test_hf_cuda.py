@@ -262,3 +262,37 @@ def test_lora_through_peft_graphed_equals_packed_eager(report):
     report("hf llama LoRA r16 step speedup", f"{eager_ms / graphed_ms:.2f}", "x")
     report("hf llama LoRA r16 steady peak memory graphed / eager", f"{graphed_peak / eager_peak:.3f}")
     handle.remove()
+
+
+def test_doc_mask_attention_graphed_needs_one_graph_per_layer(report):
+    """``attn_implementation="packgraph_doc_mask"`` under ``document_mask_buckets(T)``: collator batches of 1 to 40
+    documents share one bucket, so each layer has one graph for all of them, with eager's logits and grads."""
+    from packgraph.buckets import document_mask_buckets
+    from packgraph.integrations.hf import from_flattening_batch
+
+    policy = document_mask_buckets(T)
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    rng = random.Random(6)
+    gen = torch.Generator().manual_seed(6)
+    batches = []
+    for count in (1, 3, 40, 12, 2, 25):
+        lengths = [rng.randint(1, T // count) for _ in range(count)]
+        docs = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in lengths]
+        batches.append(from_flattening_batch(collator(docs), buckets=policy, total_tokens=T).to("cuda"))
+    eager = _llama().train()
+    eager.set_attn_implementation("packgraph_doc_mask")
+    graphed = copy.deepcopy(eager)
+    diffs = []
+    with graph_decoder_layers(graphed, batches[0], buckets=policy) as handle:
+        for batch in batches:
+            eager.zero_grad(set_to_none=True)
+            graphed.zero_grad(set_to_none=True)
+            ref, out = _step(eager, batch), _step(graphed, batch)
+            grads = [_rel(p.grad, q.grad) for p, q in zip(graphed.parameters(), eager.parameters(), strict=True)]
+            diffs.append(torch.stack([_rel(out, ref), *grads]).max())
+        graphs_per_layer = handle.graphed[0].num_graphs
+    diff = torch.stack(diffs).max().item()
+    report("hf llama doc_mask attention, graphed vs eager: max rel diff (logits, grads)", f"{diff:.2e}")
+    report("hf llama doc_mask attention: graphs per layer over 6 packings", graphs_per_layer)
+    assert diff <= REL_TOL
+    assert graphs_per_layer == 1

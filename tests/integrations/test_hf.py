@@ -356,3 +356,27 @@ def test_graphed_decoder_layers_train_like_eager_over_a_random_schedule(scope):
                 opt.step()
     assert max(g.num_graphs for g in handle.graphed) >= 2
     handle.remove()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_the_doc_mask_attention_gives_each_document_alone(name):
+    """``attn_implementation="packgraph_doc_mask"``: the packed logits of each document equal that document run alone
+    through transformers' eager attention (forward only: torch's FlexAttention has no CPU backward), under one
+    bucket of ``document_mask_buckets``; and a sliding-window model keeps its window."""
+    from packgraph.buckets import document_mask_buckets
+
+    config = _configs()[name]
+    if name == "qwen2":
+        config = transformers.Qwen2Config(**{**config.to_dict(), "use_sliding_window": True, "sliding_window": 5,
+                                             "max_window_layers": 0})  # fmt: skip
+    packed_model = _model(config, "packgraph_doc_mask")
+    eager_model = _model(config, "eager", packed_model.state_dict())
+    docs = _docs()
+    batch = hf.from_flattening_batch(_collate(docs), buckets=document_mask_buckets(TOTAL_TOKENS))
+    assert batch.packed_seq_params.max_seqlen_q == TOTAL_TOKENS
+    with torch.no_grad():
+        logits = hf.packed_forward(packed_model, batch).logits[0]
+    start = 0
+    for doc, ref in zip(docs, _per_doc_reference(eager_model, docs), strict=True):
+        torch.testing.assert_close(logits[start : start + len(doc)], ref, atol=1e-5, rtol=1e-5)
+        start += len(doc)

@@ -51,6 +51,8 @@ from packgraph.params import PackedSeqParams, PackedSeqParamsError
 
 __all__ = [
     "ATTENTION_NAME",
+    "ATTENTION_NAMES",
+    "DOC_MASK_ATTENTION_NAME",
     "SCOPES",
     "GraphedDecoderLayers",
     "attention_window",
@@ -60,12 +62,17 @@ __all__ = [
     "packed_loss",
     "packed_params_from_kwargs",
     "packgraph_attention",
+    "packgraph_doc_mask_attention",
     "register_packgraph_attention",
     "to_flattening_batch",
 ]
 
 ATTENTION_NAME = "packgraph"
-"""The ``attn_implementation`` name this module registers."""
+"""The ``attn_implementation`` name this module registers (``varlen_attention``'s FlashAttention backend)."""
+DOC_MASK_ATTENTION_NAME = "packgraph_doc_mask"
+"""The same attention on ``varlen_attention``'s document-mask backend (FlexAttention): one graph per layer for every
+packing, with :func:`~packgraph.buckets.document_mask_buckets` as the bucket policy."""
+ATTENTION_NAMES = (ATTENTION_NAME, DOC_MASK_ATTENTION_NAME)
 
 _HF_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 SCOPES: tuple[str, ...] = ("layer", "attn", "mlp")
@@ -86,12 +93,14 @@ _ATTENTION_NAMES = ("self_attn", "attention")
 
 # ---------------------------------------------------------------------------------------------------- attention
 def register_packgraph_attention() -> str:
-    """Register :func:`packgraph_attention` as ``"packgraph"`` in ``AttentionInterface``; idempotent.
+    """Register :func:`packgraph_attention` as ``"packgraph"`` and :func:`packgraph_doc_mask_attention` as
+    ``"packgraph_doc_mask"`` in ``AttentionInterface``; idempotent.
 
-    Called on import of this module. Returns the name to pass as ``attn_implementation``.
+    Called on import of this module. Returns the name to pass as ``attn_implementation`` for the default backend.
     """
-    if AttentionInterface._global_mapping.get(ATTENTION_NAME) is not packgraph_attention:
-        AttentionInterface.register(ATTENTION_NAME, packgraph_attention)
+    for name, fn in ((ATTENTION_NAME, packgraph_attention), (DOC_MASK_ATTENTION_NAME, packgraph_doc_mask_attention)):
+        if AttentionInterface._global_mapping.get(name) is not fn:
+            AttentionInterface.register(name, fn)
     return ATTENTION_NAME
 
 
@@ -167,8 +176,25 @@ def packgraph_attention(
         options["softcap"] = float(kwargs["softcap"])
     if kwargs.get("s_aux") is not None:
         options["sinks"] = kwargs["s_aux"]
-    out = varlen_attention(q, k, v, params, causal=is_causal, softmax_scale=scaling, **options)
+    backend = kwargs.get("backend", "flash")
+    out = varlen_attention(q, k, v, params, causal=is_causal, softmax_scale=scaling, backend=backend, **options)
     return out.unsqueeze(0), None
+
+
+def packgraph_doc_mask_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """:func:`packgraph_attention` on ``varlen_attention``'s ``"doc_mask"`` backend (``attn_implementation=
+    "packgraph_doc_mask"``): same arguments, windows and softcapping; attention sinks are refused by name."""
+    kwargs["backend"] = "doc_mask"
+    return packgraph_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
 def attention_window(
@@ -443,10 +469,10 @@ def _install(
     """Build adapters and sample inputs, let ``make_graphed`` capture them, and patch the targets' forwards."""
     scope = _resolve_scope(scope)
     attn_impl = getattr(model.config, "_attn_implementation", None)
-    if attn_impl != ATTENTION_NAME:
+    if attn_impl not in ATTENTION_NAMES:
         raise ValueError(
             f"the model runs attn_implementation={attn_impl!r}; load it with attn_implementation='packgraph' "
-            "(or call model.set_attn_implementation('packgraph'))"
+            "(or 'packgraph_doc_mask'; or call model.set_attn_implementation('packgraph'))"
         )
     decoder = _decoder(model)
     layers = list(decoder.layers)

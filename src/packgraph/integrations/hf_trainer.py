@@ -55,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from packgraph.buckets import BucketPolicy, default_buckets
 from packgraph.graphs.streams import loop_stream
-from packgraph.integrations.hf import ATTENTION_NAME, GraphedDecoderLayers, _resolve_scope, graph_decoder_layers
+from packgraph.integrations.hf import ATTENTION_NAMES, GraphedDecoderLayers, _resolve_scope, graph_decoder_layers
 from packgraph.packing import IGNORE_INDEX, PackedBatch, Packing, pack_sequences
 from packgraph.params import PackedSeqParams
 
@@ -408,9 +408,10 @@ class PackgraphTrainer(PackgraphTrainerMixin, Trainer):
 
 def _check_model(model: nn.Module) -> None:
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if attn != ATTENTION_NAME:
+    if attn not in ATTENTION_NAMES:
         raise ValueError(
             f"the model runs attn_implementation={attn!r}; packed batches need attn_implementation='packgraph' "
+            "or 'packgraph_doc_mask' "
             "(from_pretrained(..., attn_implementation='packgraph') or model.set_attn_implementation('packgraph'))"
         )
 
