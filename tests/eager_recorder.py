@@ -23,7 +23,7 @@ integration test that uses ``EagerRecorder`` under it as well.
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from packgraph.graphs.handouts import unowned_storage
+from packgraph.graphs.memory import unowned_storage
 
 
 def _poison(storage):

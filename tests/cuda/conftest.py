@@ -34,7 +34,7 @@ def _cuda_seed():
 
 @pytest.fixture(autouse=True)
 def _loop_stream(request):
-    """Each test runs on a loop stream of its own, as packgraph's trainers run (packgraph.graphs.streams): chained
+    """Each test runs on a loop stream of its own, as packgraph's trainers run (packgraph.graphs.recorder): chained
     stacks replay only on the stream they were recorded on. A test marked ``default_stream`` runs on the default
     stream instead."""
     if not torch.cuda.is_available() or request.node.get_closest_marker("default_stream"):

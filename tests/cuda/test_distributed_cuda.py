@@ -70,7 +70,7 @@ def _start(fn, tmp: str) -> None:
 
 def _on_loop_stream(rank: int, world: int, tmp: str, fn) -> None:
     """``fn(rank, world, tmp)`` on a loop stream of this rank's GPU: chained stacks replay only on the stream they
-    were recorded on (packgraph.graphs.streams)."""
+    were recorded on (packgraph.graphs.recorder)."""
     from packgraph.graphs import loop_stream
 
     torch.cuda.set_device(rank)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from packgraph.buckets import default_buckets
-from packgraph.graphs.slots import release_spare_pools
-from packgraph.graphs.streams import loop_stream
+from packgraph.graphs.memory import release_spare_pools
+from packgraph.graphs.recorder import loop_stream
 from packgraph.models.gpt import GPT, GPTConfig
 from packgraph.packing import PackedBatch
 
@@ -43,7 +43,7 @@ _FOUR = [[700, 300, 20], [200] * 9, [2000, 40], [10] * 100]
 
 def _run(stream, graphed: bool, steps_per_batch: int = 2):
     # the whole run on one non-default stream, as packgraph's trainers run: graphs and eager code share cuBLAS
-    # workspaces (packgraph.graphs.streams)
+    # workspaces (packgraph.graphs.recorder)
     with loop_stream(DEV):
         return _run_on_loop_stream(stream, graphed, steps_per_batch)
 
@@ -115,7 +115,7 @@ def _workspaces_held_on_loop_stream(graphed: bool, scope: str) -> int:
 def test_graphs_hold_as_many_cublas_workspaces_as_eager(scope, report):
     """cuBLAS keeps a workspace per (thread, stream): graphs use their capture stream's, from the forward's thread
     and autograd's. On a loop stream the graphs are captured on the stream the eager head (and, for scope "attn",
-    the eager MLPs) runs on (packgraph.graphs.streams), so a graphed model holds eager's two workspaces, not four."""
+    the eager MLPs) runs on (packgraph.graphs.recorder), so a graphed model holds eager's two workspaces, not four."""
     eager, graphed = _workspaces_held(False), _workspaces_held(True, scope)
     report(f"memory: cuBLAS workspaces held, eager / graphed scope {scope} (MiB)", f"{eager / 2**20:.0f} / "
            f"{graphed / 2**20:.0f}")  # fmt: skip
@@ -141,7 +141,7 @@ def test_four_buckets_peak_no_higher_than_one(report):
     # of allocated memory is with eager on the same batches. A capture step holds what eager's step holds, plus
     # the two chained grad slots and FA2's per-slot backward buffers for the bucket's ghost slots (its capacity
     # over the batch's documents). The graphs are captured on the loop stream the embedding, head and loss run on
-    # (packgraph.graphs.streams), so they hold eager's two cuBLAS workspaces, not two more.
+    # (packgraph.graphs.recorder), so they hold eager's two cuBLAS workspaces, not two more.
     assert p_four[-1][0] <= 1.01 * e_four[-1][0]
     # Reserved memory is the pool itself beside the loop stream's cache (the eager parts' tensors): caches that each
     # round to segments of their own (20 MiB for tensors of 1-10 MiB). At this 4-layer model's ~550 MiB that costs
@@ -180,7 +180,7 @@ def test_capturing_a_new_bucket_mid_run_keeps_the_reserved_peak(report):
 def test_chained_grad_buffers_are_allocated_only_while_a_backward_runs(report):
     """Eager holds the hidden-state grads only during its backward; the stack's two chained grad buffers are one
     block of a memory pool of their own, allocated at a step's first backward replay and freed at the next forward
-    (packgraph.graphs.slots). ``torch.cuda.empty_cache()`` between steps keeps the pool's segment, so the block
+    (packgraph.graphs.memory). ``torch.cuda.empty_cache()`` between steps keeps the pool's segment, so the block
     comes back at the address the graphs write (a lend checks it), and the grads stay eager's."""
     from tests.cuda.test_gpt_cuda import GRAD_RTOL, LOSS_ATOL, loss_and_grads
 

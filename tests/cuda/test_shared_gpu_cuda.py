@@ -4,7 +4,7 @@ A busy GPU runs each kernel late, so the host queues steps far ahead of it, and 
 another stream has written it reads it early. That is how a design that ran the eager code around graphed layers
 on the graphs' capture stream failed: with the GPU shared, graphed losses turned NaN within a few steps, while
 alone they were eager's bit for bit. Graphs now replay on the caller's stream, and packgraph's loops run on one
-stream (packgraph.graphs.streams). Both paths run here with a second process saturating the GPU with matmuls: the
+stream (packgraph.graphs.recorder). Both paths run here with a second process saturating the GPU with matmuls: the
 demo (``packgraph train``'s loop, on a loop stream) and a plain loop on the default stream with unchained graphs
 (recorded on a side stream, replayed on the caller's); a chained stack refuses the default stream. The chained
 stacks' grad slots, allocated on a stream of their own, are lent without writing on it.
@@ -118,16 +118,16 @@ def test_a_chained_stack_refuses_a_stream_it_was_not_recorded_on():
 
 
 def test_a_lent_grad_slot_block_is_written_on_the_callers_stream_only(report):
-    """The chained stacks' hidden-state grad slots are allocated on a stream of their own (packgraph.graphs.slots)
+    """The chained stacks' hidden-state grad slots are allocated on a stream of their own (packgraph.graphs.memory)
     and used on the caller's. Under deterministic algorithms torch.empty fills new memory with a kernel on the
     stream it allocates on: that fill ran in no order with the backward replays, and on a busy GPU it landed in the
     middle of one, turning the grads NaN (test_gpt_cuda's deterministic runs under gpu-check --jobs 4). Here the
     slots' stream is held back by a sleep when the block is lent: a value the caller writes right after must
     survive."""
-    from packgraph.graphs import slots
+    from packgraph.graphs import memory
 
     like = torch.empty(2048, 256, device="cuda")
-    block = slots._Block(like)
+    block = memory._Block(like)
     try:
         with deterministic_kernels(True):
             assert torch.utils.deterministic.fill_uninitialized_memory  # torch.empty fills under these

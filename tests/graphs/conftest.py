@@ -2,12 +2,12 @@ import pytest
 import torch
 
 import packgraph.graphs.entry as entry_module
-import packgraph.graphs.handouts as handouts_module
+import packgraph.graphs.memory as handouts_module
 
 
 @pytest.fixture
 def handout_path(request, monkeypatch):
-    """How held handed-out memory is kept through later replays (``packgraph.graphs.handouts``): ``"copy"`` (the
+    """How held handed-out memory is kept through later replays (``packgraph.graphs.memory``): ``"copy"`` (the
     default settings: small outputs go out as copies), ``"swap"`` (every output on a handle, settled by
     ``_swap_data_ptr_``), ``"scan"`` (every output on a handle, settled by moving holders one by one, as on a torch
     without ``_swap_data_ptr_``)."""

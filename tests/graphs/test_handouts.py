@@ -1,4 +1,4 @@
-"""Backward results released to the pool once idle (``packgraph.graphs.handouts``), checked against eager.
+"""Backward results released to the pool once idle (``packgraph.graphs.memory``), checked against eager.
 
 Each signature (here: a capacity) writes parameter grads of its own, and a new signature's forward capture releases
 the grads nobody holds. The stand-in recorder writes NaNs over released memory at every later warm-up, capture and
@@ -11,7 +11,7 @@ import gc
 import pytest
 import torch
 
-from packgraph.graphs import GraphOrderError, handouts
+from packgraph.graphs import GraphOrderError, memory
 from packgraph.graphs.capture import capture_layers_with, capture_with
 from tests.eager_recorder import EagerRecorder
 from tests.graphs.test_autograd_exact import _block, _grads, _loss, _params, _same_grads, _x
@@ -347,7 +347,7 @@ def test_grads_kept_after_they_are_set_to_none_are_moved_without_a_scan(handout_
 
     layers = _stack()
     graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), SIGS["A"]))
-    scans = handouts.scans
+    scans = memory.scans
     kept, want = [], []
     for step in range(4):
         for stack, out in ((graphed, kept), (list(layers), want)):
@@ -359,7 +359,7 @@ def test_grads_kept_after_they_are_set_to_none_are_moved_without_a_scan(handout_
             out.append([x.grad] + [w.grad for w in layers.parameters()])
             for w in layers.parameters():
                 w.grad = None
-    assert handouts.scans == scans
+    assert memory.scans == scans
     for got, ref in zip(kept, want, strict=True):
         for g, w in zip(got, ref, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
@@ -369,12 +369,12 @@ def test_grads_kept_after_they_are_set_to_none_are_moved_without_a_scan(handout_
 def test_an_alias_the_engine_never_saw_is_found_by_a_scan_without_a_swap(handout_path):
     block = _block()
     graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]), forward_only=True)
-    scans = handouts.scans
+    scans = memory.scans
     with torch.no_grad():
         kept = graphed(_x(1), SIGS["A"]).detach()[2:]  # a view of a .detach(): the engine never saw either
         graphed(_x(2), SIGS["A"])
         torch.testing.assert_close(kept, block(_x(1), SIGS["A"])[2:], rtol=0, atol=0)
-    assert handouts.scans == scans + (handout_path == "scan")
+    assert memory.scans == scans + (handout_path == "scan")
 
 
 @pytest.mark.parametrize("handout_path", ["swap", "scan"], indirect=True)
@@ -409,16 +409,16 @@ def test_without_a_swap_a_holder_no_scan_finds_is_refused_not_overwritten(handou
 @pytest.mark.parametrize("handout_path", ["scan"], indirect=True)
 def test_without_a_swap_memory_a_holder_no_scan_finds_is_kept_when_the_graphs_go(handout_path, monkeypatch):
     """When the engine lets go of a graph (its group collected), a holder it cannot move keeps the memory
-    allocated (handouts.KEPT_FOR_HOLDERS) rather than being left on memory the pool frees."""
+    allocated (memory.KEPT_FOR_HOLDERS) rather than being left on memory the pool frees."""
     block = _block()
     graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]), forward_only=True)
     with torch.no_grad():
         kept = graphed(_x(1), SIGS["A"]).detach()
     static = graphed.cache.values()[0].static_outputs[0]
     monkeypatch.setattr(gc, "get_objects", lambda: [])  # as for a holder only C++ code keeps
-    before = len(handouts.KEPT_FOR_HOLDERS)
+    before = len(memory.KEPT_FOR_HOLDERS)
     del graphed
     gc.collect()
-    assert len(handouts.KEPT_FOR_HOLDERS) == before + 1 and handouts.KEPT_FOR_HOLDERS[-1] is static
+    assert len(memory.KEPT_FOR_HOLDERS) == before + 1 and memory.KEPT_FOR_HOLDERS[-1] is static
     torch.testing.assert_close(kept, block(_x(1), SIGS["A"]).detach(), rtol=0, atol=0)
-    handouts.KEPT_FOR_HOLDERS.pop()
+    memory.KEPT_FOR_HOLDERS.pop()

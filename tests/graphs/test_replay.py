@@ -22,7 +22,7 @@ from packgraph.buckets import default_buckets
 from packgraph.graphs import GraphSignatureError
 from packgraph.graphs.capture import GraphedCallable, capture_layers_with, capture_with
 from packgraph.graphs.entry import Entry
-from packgraph.graphs.order import GraphOrderError
+from packgraph.graphs.memory import GraphOrderError
 from packgraph.models.gpt import Block, GPTConfig
 from packgraph.ops import varlen_attention
 from packgraph.params import PackedSeqParams, PackedSeqParamsError

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from packgraph.buckets import BucketPolicy, default_buckets
-from packgraph.graphs.describe import signature_diff
 from packgraph.graphs.signature import (
     CallSignature,
     ParamsPreparer,
@@ -14,6 +13,7 @@ from packgraph.graphs.signature import (
     dyn_keys,
     flatten_call,
     rebuild_call,
+    signature_diff,
 )
 from packgraph.params import PackedSeqParams, PackedSeqParamsError
 

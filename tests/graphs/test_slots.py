@@ -1,4 +1,4 @@
-"""A chained stack's hidden-state grad buffers (``packgraph.graphs.slots``), on the CPU stand-in, against eager.
+"""A chained stack's hidden-state grad buffers (``packgraph.graphs.memory``), on the CPU stand-in, against eager.
 
 The stand-in keeps the slots allocated but fills them with NaN whenever the engine gives them back (before a
 forward), so a graph that read a slot across a forward would show NaNs here, where CUDA would read whatever the

@@ -13,7 +13,7 @@ import torch
 
 from packgraph.bench.methods import Method
 from packgraph.bench.profiling import KernelProfile, gpu_busy_ms
-from packgraph.graphs.slots import release_spare_pools
+from packgraph.graphs.memory import release_spare_pools
 from packgraph.packing import PackedBatch
 
 __all__ = ["Measurement", "measure", "release"]

@@ -48,7 +48,7 @@ from packgraph.bench.methods import CUDA_ONLY_METHODS, make_method
 from packgraph.bench.options import build_parser, resolve
 from packgraph.bench.presets import ladder_policy
 from packgraph.bench.report import RECORD_FIELDS, derive, record_key, results_markdown, results_table
-from packgraph.graphs.streams import loop_stream
+from packgraph.graphs.recorder import loop_stream
 from packgraph.models.gpt import GPT, GPTConfig
 
 __all__ = ["main", "publish_report", "run_bench", "save"]
@@ -222,7 +222,7 @@ def _run_one(model_name, T, mix, method, stream, policy, cfg, device, run) -> di
     # method's reserved peak: each method starts from an empty cache.
     release(device)
     # Each method runs on one stream of its own, eager code and graphs alike: the graphs' cuBLAS workspaces are
-    # then the eager code's, as in packgraph's trainers (packgraph.graphs.streams).
+    # then the eager code's, as in packgraph's trainers (packgraph.graphs.recorder).
     with loop_stream(device):
         return _measure_one(model_name, T, mix, method, stream, policy, cfg, device, run)
 

@@ -10,10 +10,9 @@
 
 from packgraph.graphs.cache import GraphSignatureError
 from packgraph.graphs.capture import GraphedCallable, capture, capture_layers
-from packgraph.graphs.order import GraphOrderError
-from packgraph.graphs.recorder import use_recorder
+from packgraph.graphs.memory import GraphOrderError
+from packgraph.graphs.recorder import loop_stream, use_recorder
 from packgraph.graphs.safety import GraphCaptureError, HostSync, find_host_syncs
-from packgraph.graphs.streams import loop_stream
 
 __all__ = [
     "capture",

@@ -21,10 +21,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 from torch import Tensor
 
-from packgraph.graphs.describe import signature_diff
-from packgraph.graphs.handouts import Handout, HandoutBook
-from packgraph.graphs.signature import CallSignature, ParamsPreparer
-from packgraph.graphs.slots import ChainGradSlots
+from packgraph.graphs.memory import ChainGradSlots, Handout, HandoutBook
+from packgraph.graphs.signature import CallSignature, ParamsPreparer, signature_diff
 from packgraph.params import PackedSeqParamsError
 
 if TYPE_CHECKING:
@@ -250,7 +248,7 @@ class CaptureGroup:
 
     ``next_seq()`` numbers the group's captures in order; ``in_flight`` holds the entries whose forward replayed and
     whose backward has not run yet, and ``handouts`` the graph memory handed out to the caller (see
-    :mod:`packgraph.graphs.order` and :mod:`packgraph.graphs.handouts` for why they matter when memory is shared).
+    :mod:`packgraph.graphs.memory` and :mod:`packgraph.graphs.memory` for why they matter when memory is shared).
     """
 
     def __init__(self, recorder: Recorder, preparer: ParamsPreparer, *, chain: bool = False) -> None:
@@ -271,7 +269,7 @@ class CaptureGroup:
     def chain_grads(self, chained: dict[int, Tensor], grad_outputs: list) -> dict[int, Handout]:
         """The chained grad buffer of each chained input (``position -> static input``) of a backward graph that
         reads ``grad_outputs``: the slot its output grads are not read from, so that the previous layer's backward
-        reads it while writing the other (:mod:`packgraph.graphs.slots`). A grad handed out on one slot stays valid
+        reads it while writing the other (:mod:`packgraph.graphs.memory`). A grad handed out on one slot stays valid
         until the next backward that writes that slot, which first moves it if it is still held."""
         read = {id(g) for g in grad_outputs if g is not None}
         slot = 1 if any(id(r.static) in read and r.owner[-1] == 0 for r in self.slots.records()) else 0

@@ -18,10 +18,10 @@ What is autograd-exact, and what is not:
   ``torch.autograd.grad``, ``backward(inputs=...)``, parameters frozen or unfrozen after capture, gradient hooks
   and micro-batches behave as in eager. Outputs and grads handed out are views of graph memory; whatever still
   holds one (the tensor, a ``.detach()`` or a slice of it, a ``.grad``, a tensor autograd saved) is moved to a
-  copy of its own before a replay writes that memory (:mod:`packgraph.graphs.handouts`).
+  copy of its own before a replay writes that memory (:mod:`packgraph.graphs.memory`).
 * **Refused, with an error that says what to do:** double backward (``create_graph=True``); a forward of a graph
   whose previous backward is pending, or any replay that would overwrite memory a pending backward needs
-  (:class:`~packgraph.graphs.order.GraphOrderError`).
+  (:class:`~packgraph.graphs.memory.GraphOrderError`).
 * **Not replayed:** Python side effects of the callable and of its module hooks run at capture only (the work they
   record is replayed). Tensors must reach the callable as arguments (possibly inside lists, tuples, dicts) or as
   module parameters and buffers: a tensor hidden in another object or a closure is a graph constant.
@@ -36,7 +36,7 @@ Other rules:
 * **Memory.** Everything captured together (one :func:`capture`, one :func:`capture_layers` stack, and their
   recaptures) shares one pool, warm-ups included; the signatures of one callable share its input and output
   buffers, and (``share_activations=True``) the activations a forward saves go back to the pool after capture, as
-  do the grads of a signature not in use. The order rule this needs is in :mod:`packgraph.graphs.order`. A
+  do the grads of a signature not in use. The order rule this needs is in :mod:`packgraph.graphs.memory`. A
   signature first met at call time has its forward captured at that call and its backward at its first backward,
   so captures follow the order the graphs run in. In a chained stack, a training call's new signature is captured
   for every layer at the first layer's call, forwards then backwards, as :func:`capture_layers` does at first.
@@ -67,10 +67,10 @@ import torch
 from torch import Tensor, nn
 
 from packgraph import slot_boundary
-from packgraph.graphs import handouts
-from packgraph.graphs.buffers import SharedBuffers
+from packgraph.graphs import memory
 from packgraph.graphs.cache import CaptureGroup, GraphCache, logger
 from packgraph.graphs.entry import Entry, explained_capture_errors
+from packgraph.graphs.memory import SharedBuffers
 from packgraph.graphs.recorder import recorder_for
 from packgraph.graphs.signature import (
     CallSignature,
@@ -259,7 +259,7 @@ class GraphedCallable:
         self.params = params
         self._param_copies = {}
         _remove_hooks(self._hooks)
-        if not self.forward_only and not handouts.SWAP_DATA_PTR:
+        if not self.forward_only and not memory.SWAP_DATA_PTR:
             # Without a storage swap, holders are moved one by one: the hook tells the book which tensor
             # AccumulateGrad adopted as a first .grad (kept by the caller after zero_grad, say).
             me = weakref.ref(self)
@@ -732,7 +732,7 @@ def capture(
         keep_mamba_fields: let ``total_tokens``/``seq_idx`` into the graph (and its signature).
         share_activations: let the graphs of every signature share one set of saved activations and static
             buffers (memory of one graph set, however many buckets). Replays must then follow the model's order; a
-            replay that would overwrite an unfinished forward raises :class:`~packgraph.graphs.order.GraphOrderError`.
+            replay that would overwrite an unfinished forward raises :class:`~packgraph.graphs.memory.GraphOrderError`.
             ``False`` keeps each signature's memory apart.
         recompute: activation recomputation inside the graphs: the callable runs under
             ``torch.utils.checkpoint`` (non-reentrant), so the forward graph saves only what it reads and the

@@ -11,14 +11,14 @@ parameter trained at capture into static tensors; :meth:`Entry.replay_backward` 
 autograd's own ``AccumulateGrad`` does the rest: it adopts the view as ``p.grad`` when that is None (no copy, as
 eager adopts a fresh grad), adds it otherwise, runs the parameter's hooks, and skips parameters the backward does not
 reach (``torch.autograd.grad(loss, [x])``, ``backward(inputs=...)``, a frozen parameter). Views that outlive the
-replay are moved off the static memory before the next replay writes it (:mod:`packgraph.graphs.handouts`).
+replay are moved off the static memory before the next replay writes it (:mod:`packgraph.graphs.memory`).
 
 Forward buffers are shared signature after signature: the first entry of a callable (its *primary*) owns the static
 inputs, outputs and grad-output buffers; later entries of compatible shapes read the same input buffers and copy
-their outputs into the primary's at the end of their graphs (:mod:`packgraph.graphs.buffers`). Grads are each
-entry's own and go back to the pool while idle (:mod:`packgraph.graphs.handouts`), except a chained input grad,
+their outputs into the primary's at the end of their graphs (:mod:`packgraph.graphs.memory`). Grads are each
+entry's own and go back to the pool while idle (:mod:`packgraph.graphs.memory`), except a chained input grad,
 written into one of the stack's two chained grad buffers. A layer then holds one set however many buckets it meets.
-The replay-order rule that sharing needs is in :mod:`packgraph.graphs.order`.
+The replay-order rule that sharing needs is in :mod:`packgraph.graphs.memory`.
 """
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from packgraph.graphs import handouts, safety
-from packgraph.graphs.buffers import fits
+from packgraph.graphs import memory, safety
 from packgraph.graphs.cache import logger
-from packgraph.graphs.handouts import COPIED_OUTPUT_BYTES, Handout
-from packgraph.graphs.order import check_replay_order, freed_at, preserve_version
+from packgraph.graphs.memory import COPIED_OUTPUT_BYTES, Handout, check_replay_order, fits, freed_at, preserve_version
+from packgraph.graphs.recorder import capture_mode, parameters_replaced, stand_in_leaf
 from packgraph.graphs.signature import (
     CallSignature,
     PreparedParams,
@@ -48,7 +47,6 @@ from packgraph.graphs.signature import (
     rebuild_call,
     tensor_requires_grad,
 )
-from packgraph.graphs.stand_ins import capture_mode, parameters_replaced, stand_in_leaf
 
 __all__ = ["Entry", "Owner", "Replay", "explained_capture_errors"]
 
@@ -87,10 +85,10 @@ class Entry:
         self.owner = owner
         self.key = key
         self.flight: Any = None  # weakref to the autograd context of a forward whose backward has not run
-        self.fwd_seq = 0  # capture numbers in the group (see packgraph.graphs.order)
+        self.fwd_seq = 0  # capture numbers in the group (see packgraph.graphs.memory)
         self.bwd_seq: int | None = None
         self.trainable: list[Tensor] = owner.trainable_now()
-        # warm-up and capture train these instead of the parameters (packgraph.graphs.stand_ins says why)
+        # warm-up and capture train these instead of the parameters (packgraph.graphs.recorder says why)
         self.stand_ins = [stand_in_leaf(p) for p in self.trainable]
         self.replaced = dict(zip(map(id, self.trainable), self.stand_ins, strict=True))
         # FSDP2: every parameter is read from a static copy, refreshed by each call's load (GraphedCallable)
@@ -177,7 +175,7 @@ class Entry:
     def before_allocating(self, *, release: bool) -> None:
         """Before a warm-up or capture allocates from the pool: move handed-out tensors off released memory (the
         allocator may place this capture's tensors there), and with ``release`` (a forward capture, where a step
-        starts) release the backward results nobody holds (:mod:`packgraph.graphs.handouts`)."""
+        starts) release the backward results nobody holds (:mod:`packgraph.graphs.memory`)."""
         group = self.owner.group
         group.handouts.before_capture(self.pool)
         if release:
@@ -265,7 +263,7 @@ class Entry:
                     registry.set_producer(o, self)
                 else:
                     self.tokens.append((o, registry.register(o, owner.uid, self)))
-        # Small outputs that no graph reads in place go out as copies (handouts.COPIED_OUTPUT_BYTES).
+        # Small outputs that no graph reads in place go out as copies (memory.COPIED_OUTPUT_BYTES).
         self.copied_outputs = {
             j
             for j, o in enumerate(self.static_outputs)
@@ -280,7 +278,7 @@ class Entry:
         """Record the backward graph. ``grad_output_buffers[j]`` (optional) is read as the grad of output ``j``:
         the next layer's input-grad buffer in a chained stack, so no copy is needed between them. The last layer of
         a chained stack (``last_in_stack``) reads the grad of its output from one of the stack's two chained grad
-        buffers (:mod:`packgraph.graphs.slots`)."""
+        buffers (:mod:`packgraph.graphs.memory`)."""
         owner = self.owner
         if not self.trains:
             return
@@ -316,7 +314,7 @@ class Entry:
 
         def body() -> list:
             # Parameter grads and unchained input grads are each signature's own (written, never zeroed or
-            # accumulated into), released to the pool once idle (packgraph.graphs.handouts). A chained input grad
+            # accumulated into), released to the pool once idle (packgraph.graphs.memory). A chained input grad
             # goes into one of the stack's two chained grad buffers (CaptureGroup.chain_grads).
             outs = [self.raw_outputs[j] for j in diff]
             grad_outs = [self.static_grad_outputs[j] for j in diff]
@@ -342,7 +340,7 @@ class Entry:
         self._record_grads(grads)
 
     def _record_grads(self, grads: list[Tensor | None]) -> None:
-        """A :class:`~packgraph.graphs.handouts.Handout` for each backward result the caller receives, tracked for
+        """A :class:`~packgraph.graphs.memory.Handout` for each backward result the caller receives, tracked for
         release when idle. A chained input grad (read in place by the producer graph's backward: a chained grad
         buffer, or this graph's own result if its layout fits none) is never released: its slot is None."""
         owner, n_in = self.owner, len(self.grad_positions)
@@ -424,7 +422,7 @@ class Entry:
 
     # ---------------------------------------------------------------- replay
     def before_replay(self, seq: int | None, what: str) -> None:
-        """The order check (:mod:`~packgraph.graphs.order`), then move handed-out tensors this replay may write."""
+        """The order check (:mod:`~packgraph.graphs.memory`), then move handed-out tensors this replay may write."""
         check_replay_order(self, seq, what)
         owners = (self.owner.uid, id(self))
         if what == "backward":
@@ -493,8 +491,8 @@ class Entry:
                 # Chained but not in the shared buffer (another layout): read in place; or no grad.
                 chained = self.static_grad_inputs[k] if k < n_in else None
                 out.append(chained.detach() if chained is not None else None)
-            elif k < n_in and not handouts.SWAP_DATA_PTR:
-                # autograd may keep an input's grad where holders cannot be moved one by one (handouts.py)
+            elif k < n_in and not memory.SWAP_DATA_PTR:
+                # autograd may keep an input's grad where holders cannot be moved one by one (memory.py, handouts)
                 out.append(record.static.clone())
             else:
                 if k >= n_in:  # whose adopted .grad the owner's hook reports, without a swap

@@ -15,7 +15,7 @@ implements):
 * optional ``records_by_running = True``: a replay runs the body again (a stand-in), so the engine keeps the
   autograd graph a backward body consumes;
 * optional ``unowned(storage, pool) -> storage``: a storage over the same memory (of ``pool``) that does not keep
-  it allocated (the engine then releases idle backward results to the pool, :mod:`packgraph.graphs.handouts`). A
+  it allocated (the engine then releases idle backward results to the pool, :mod:`packgraph.graphs.memory`). A
   stand-in that implements it must treat that memory as reused by every later warm-up and capture into ``pool``
   and every replay of a graph of ``pool`` captured after the call, as the CUDA pool may;
 * optional ``shares_pool = True``: the pool is also the caller's, for other capture groups, whose captures the
@@ -23,6 +23,21 @@ implements):
 
 :func:`use_recorder` is the engine's one test seam: within it, ``capture`` and ``capture_layers`` use the given
 recorder instead of a :class:`CudaRecorder`.
+
+**Stand-ins.** What warm-up and capture run under: stand-in leaves for the parameters, and the grad and autocast modes.
+
+Warm-up and capture run on a side stream. If they used the real parameters, the autograd graph a capture keeps
+(until a late backward capture) would hold the parameters' ``AccumulateGrad`` nodes, which autograd reuses, with
+the side stream, on the caller's stream ("The AccumulateGrad node's stream does not match ..."). Fresh leaves that
+share each parameter's storage and version counter stand in for them instead.
+
+**Streams.** One stream for a whole loop, so that graphs and the eager code around them share cuBLAS workspaces.
+
+cuBLAS keeps one workspace per (thread's handle, stream) it has run on: 32 MiB each on an H200, held until
+``torch._C._cuda_clearCublasWorkspaces()``. Graphs replay on the caller's stream, and they are recorded on it too
+unless it is the default stream, where CUDA cannot capture (:class:`CudaRecorder`). A
+loop on the default stream therefore holds the side stream's workspaces (forward's thread and autograd's) on top of
+its own. :func:`loop_stream` runs a loop on one non-default stream instead, where everything shares two.
 """
 
 from __future__ import annotations
@@ -38,11 +53,23 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from packgraph.graphs import safety
-from packgraph.graphs.handouts import unowned_storage
+from packgraph.graphs.memory import unowned_storage
+from packgraph.graphs.signature import autocast_state
 
-__all__ = ["CudaRecorder", "Recorder", "use_recorder", "recorder_for", "stand_in"]
+__all__ = [
+    "CudaRecorder",
+    "Recorder",
+    "capture_mode",
+    "loop_stream",
+    "parameters_replaced",
+    "recorder_for",
+    "stand_in",
+    "stand_in_leaf",
+    "use_recorder",
+]
 
 
+# ---------------------------------------------------------------------------------------------------------- recorders
 class Recorder(Protocol):
     """The members every recorder has (the module docstring says what each does, and lists the optional ones)."""
 
@@ -201,3 +228,68 @@ def _without_donated_buffers() -> contextlib.AbstractContextManager:
     if not hasattr(config, "donated_buffer"):
         return contextlib.nullcontext()
     return config.patch(donated_buffer=False)
+
+
+# ---------------------------------------------------------------------------------------------------------- stand-ins
+def stand_in_leaf(p: Tensor) -> Tensor:
+    """A leaf sharing ``p``'s storage and version counter, of ``p``'s class (code may check for ``Parameter``)."""
+    if isinstance(p, torch.nn.Parameter):
+        return torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+    return p.detach().requires_grad_(p.requires_grad)
+
+
+@contextlib.contextmanager
+def parameters_replaced(owner: Any, replacement: dict[int, Tensor]) -> Iterator[None]:
+    """Within the block, every parameter slot of ``owner``'s module (``owner.param_slots()``) that holds a key of
+    ``replacement`` holds its value."""
+    swapped = []
+    try:
+        if replacement:
+            for table, name, t, _ in owner.param_slots():
+                new = replacement.get(id(t))
+                if new is not None and table.get(name) is t:
+                    table[name] = new
+                    swapped.append((table, name, t))
+        yield
+    finally:
+        for table, name, t in swapped:
+            table[name] = t
+
+
+@contextlib.contextmanager
+def capture_mode(owner: Any, train: bool) -> Iterator[None]:
+    """Grad mode for a training (or forward-only) capture, and the caller's autocast state without its cast cache."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad() if train else torch.no_grad())
+        device_type = owner.group.recorder.device_type
+        dtype = autocast_state(device_type)
+        if dtype is not None:
+            # A cached cast of a weight would be baked into the graph and go stale after optimizer.step().
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
+        yield
+
+
+# ------------------------------------------------------------------------------------------------------------ streams
+@contextlib.contextmanager
+def loop_stream(device: torch.device | str | None, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
+    """Run the block on a new non-default CUDA stream of ``device``, or on ``stream`` (on another device, as it is).
+
+    Contract: the stream first waits for the caller's stream, and the device is synchronised when the block ends,
+    so work before and after the block is ordered with it however the tensors made inside are used after. Run a
+    whole loop in it (model set-up, steps, optimizer, logging), never a part of a step: autograd and the caching
+    allocator then see one stream. Graphs of chained layers recorded inside replay only on that stream: a later
+    loop over them passes the same ``stream``.
+    """
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        yield
+        return
+    caller = torch.cuda.current_stream(device)
+    stream = stream if stream is not None else torch.cuda.Stream(device)
+    stream.wait_stream(caller)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        torch.cuda.synchronize(device)

@@ -54,7 +54,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError("packgraph.integrations.hf_trainer needs Hugging Face transformers (and accelerate)") from exc
 
 from packgraph.buckets import BucketPolicy, default_buckets
-from packgraph.graphs.streams import loop_stream
+from packgraph.graphs.recorder import loop_stream
 from packgraph.integrations.hf import ATTENTION_NAMES, GraphedDecoderLayers, _resolve_scope, graph_decoder_layers
 from packgraph.packing import IGNORE_INDEX, PackedBatch, Packing, pack_sequences
 from packgraph.params import PackedSeqParams
@@ -323,7 +323,7 @@ class PackgraphTrainerMixin:
     # -------------------------------------------------------------------------------- Trainer hooks
     def train(self, *args: Any, **kwargs: Any) -> Any:
         # The whole loop on one non-default CUDA stream: the graphs are recorded on it, and the eager embedding,
-        # head, loss and optimizer share their cuBLAS workspaces (packgraph.graphs.streams). The same stream at every
+        # head, loss and optimizer share their cuBLAS workspaces (packgraph.graphs.recorder). The same stream at every
         # call: a chained stack replays only on the stream it was recorded on.
         device = torch.device(self.args.device)
         if device.type == "cuda" and self._packgraph_stream is None:

@@ -40,8 +40,7 @@ import torch
 
 from packgraph.data.corpus import corpus_stats
 from packgraph.data.stream import DataStream, corpus_documents
-from packgraph.graphs.recorder import stand_in
-from packgraph.graphs.streams import loop_stream
+from packgraph.graphs.recorder import loop_stream, stand_in
 from packgraph.packing import pack_sequences
 from packgraph.train.config import TrainConfig, default_out_dir, resolve_device
 from packgraph.train.demo_report import DemoRun, Echo, method_figures, plot_demo, print_report, step_timing
@@ -174,7 +173,7 @@ def _train_all(
     each under ``profile`` (which must step the trainer to its end and return a ``KernelProfile``), and finish it.
     """
     trainers: dict[str, Trainer] = {}
-    # One stream for every run: the graphs' cuBLAS workspaces are the eager code's (packgraph.graphs.streams).
+    # One stream for every run: the graphs' cuBLAS workspaces are the eager code's (packgraph.graphs.recorder).
     with loop_stream(resolve_device(runs[0].cfg.device)):
         try:
             for run in runs:

@@ -23,8 +23,7 @@ import torch
 from torch import Tensor
 
 from packgraph.data.stream import DataStream, corpus_documents
-from packgraph.graphs.recorder import stand_in
-from packgraph.graphs.streams import loop_stream
+from packgraph.graphs.recorder import loop_stream, stand_in
 from packgraph.models.gpt import GPT
 from packgraph.packing import PackedBatch
 from packgraph.train.checkpoint import (
@@ -486,7 +485,7 @@ def train(
         ValueError: bad config (including graphs requested without CUDA).
         FileNotFoundError: ``resume`` names no checkpoint.
     """
-    # One stream for the whole run: the graphs' cuBLAS workspaces are the eager code's (packgraph.graphs.streams).
+    # One stream for the whole run: the graphs' cuBLAS workspaces are the eager code's (packgraph.graphs.recorder).
     with deterministic_kernels(cfg.deterministic), loop_stream(resolve_device(cfg.device)):
         trainer = Trainer(cfg, echo=echo, prepare_out_dir=prepare_out_dir)
         try:
