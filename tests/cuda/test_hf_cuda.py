@@ -144,6 +144,22 @@ def test_partial_scopes_equal_eager(scope, report):
     assert diff <= REL_TOL
 
 
+def _graphed_against_eager(eager, batches, policy) -> tuple[float, int]:
+    """Training steps of ``eager`` and of a copy with graphed decoder layers under ``policy``, over ``batches``: the
+    worst relative difference (logits and every parameter grad) and the first layer's graph count."""
+    graphed = copy.deepcopy(eager)
+    diffs = []
+    with graph_decoder_layers(graphed, batches[0], buckets=policy) as handle:
+        for batch in batches:
+            eager.zero_grad(set_to_none=True)
+            graphed.zero_grad(set_to_none=True)
+            ref, out = _step(eager, batch), _step(graphed, batch)
+            grads = [_rel(p.grad, q.grad) for p, q in zip(graphed.parameters(), eager.parameters(), strict=True)]
+            diffs.append(torch.stack([_rel(out, ref), *grads]).max())
+        graphs_per_layer = handle.graphed[0].num_graphs
+    return torch.stack(diffs).max().item(), graphs_per_layer
+
+
 def test_bucketed_collator_batches_equal_eager(report):
     """DataCollatorWithFlattening -> from_flattening_batch(buckets=...) batches of several buckets: the engine
     captures one graph set per bucket at first use and replays it for the rest."""
@@ -161,18 +177,7 @@ def test_bucketed_collator_batches_equal_eager(report):
         lengths = [first] + [rng.randint(1, min(512, (T - first) // (count - 1))) for _ in range(count - 1)]
         docs = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in lengths]
         batches.append(from_flattening_batch(collator(docs), buckets=policy, total_tokens=T).to("cuda"))
-    eager = _llama().train()
-    graphed = copy.deepcopy(eager)
-    diffs = []
-    with graph_decoder_layers(graphed, batches[0], buckets=policy) as handle:
-        for batch in batches:
-            eager.zero_grad(set_to_none=True)
-            graphed.zero_grad(set_to_none=True)
-            ref, out = _step(eager, batch), _step(graphed, batch)
-            grads = [_rel(p.grad, q.grad) for p, q in zip(graphed.parameters(), eager.parameters(), strict=True)]
-            diffs.append(torch.stack([_rel(out, ref), *grads]).max())
-        graphs_per_layer = handle.graphed[0].num_graphs
-    diff = torch.stack(diffs).max().item()
+    diff, graphs_per_layer = _graphed_against_eager(_llama().train(), batches, policy)
     buckets_used = len({b.bucket for b in batches})
     report("hf llama bucketed collator batches: max rel diff (logits, grads)", f"{diff:.2e}")
     report("hf llama bucketed collator batches: graphs per layer / buckets used", f"{graphs_per_layer}/{buckets_used}")
@@ -281,17 +286,7 @@ def test_doc_mask_attention_graphed_needs_one_graph_per_layer(report):
         batches.append(from_flattening_batch(collator(docs), buckets=policy, total_tokens=T).to("cuda"))
     eager = _llama().train()
     eager.set_attn_implementation("packgraph_doc_mask")
-    graphed = copy.deepcopy(eager)
-    diffs = []
-    with graph_decoder_layers(graphed, batches[0], buckets=policy) as handle:
-        for batch in batches:
-            eager.zero_grad(set_to_none=True)
-            graphed.zero_grad(set_to_none=True)
-            ref, out = _step(eager, batch), _step(graphed, batch)
-            grads = [_rel(p.grad, q.grad) for p, q in zip(graphed.parameters(), eager.parameters(), strict=True)]
-            diffs.append(torch.stack([_rel(out, ref), *grads]).max())
-        graphs_per_layer = handle.graphed[0].num_graphs
-    diff = torch.stack(diffs).max().item()
+    diff, graphs_per_layer = _graphed_against_eager(eager, batches, policy)
     report("hf llama doc_mask attention, graphed vs eager: max rel diff (logits, grads)", f"{diff:.2e}")
     report("hf llama doc_mask attention: graphs per layer over 6 packings", graphs_per_layer)
     assert diff <= REL_TOL

@@ -47,6 +47,21 @@ BACKENDS: tuple[str, ...] = ("flash", "fa2-op", "fa2-op-exact", "doc_mask", "doc
 BACKWARD_FLOPS = 2.5  # backward flops per forward flop, FlashAttention's convention
 
 
+def _leaves(
+    T: int, heads: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ``q [T, heads, D]`` and ``k, v [T, kv_heads, D]`` leaves that require grad."""
+    shapes = ((T, heads, head_dim), (T, kv_heads, head_dim), (T, kv_heads, head_dim))
+    q, k, v = (torch.randn(s, device=device, dtype=dtype, generator=gen).requires_grad_() for s in shapes)
+    return q, k, v
+
+
+def error_line(exc: BaseException) -> str:
+    """An exception as one line for a row: its type and first line."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def causal_flops(lengths: Sequence[int], heads: int, head_dim: int) -> float:
     """Forward flops of causal attention within each document: ``4 * D * Hq`` per visible (query, key) pair."""
     pairs = sum(n * (n + 1) // 2 for n in lengths)
@@ -108,7 +123,7 @@ def _times(
     try:
         times["fwdbwd_ms"] = _fwdbwd_ms(attend, qkv, grad_out, reps)
     except (RuntimeError, NotImplementedError) as exc:
-        times["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        times["error"] = error_line(exc)
     return times
 
 
@@ -156,11 +171,7 @@ def backend_benchmark(
         for mix in mixes:
             stream = list(batch_stream(mix, T, packings, seed=seed + 7, max_corpus_docs=max_corpus_docs))
             for head_dim in head_dims:
-                q = torch.randn(T, heads, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
-                k, v = (
-                    torch.randn(T, kv_heads, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
-                    for _ in range(2)
-                )
+                q, k, v = _leaves(T, heads, kv_heads, head_dim, device, dtype, gen)
                 grad_out = torch.ones_like(q)
                 for index, batch in enumerate(stream):
                     lengths = list(batch.doc_lengths)
@@ -175,7 +186,7 @@ def backend_benchmark(
                         try:
                             row.update(_times(backend, (q, k, v), grad_out, lengths, T, reps))
                         except (RuntimeError, NotImplementedError) as exc:
-                            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                            row["error"] = error_line(exc)
                         for key, work in (("fwd", flops), ("fwdbwd", flops * (1 + BACKWARD_FLOPS))):
                             ms = row.get(f"{key}_ms")
                             row[f"{key}_tflops"] = work / (ms * 1e9) if ms else None
@@ -212,11 +223,8 @@ def declared_size_sweep(
     (batch,) = batch_stream(mix, T, 1, seed=seed + 7, max_corpus_docs=max_corpus_docs)
     lengths = list(batch.doc_lengths)
     docs, longest = len(lengths), max(lengths)
-    q = torch.randn(T, heads, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
-    k, v = (
-        torch.randn(T, kv_heads, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in "kv"
-    )
-    qkv, grad_out = (q, k, v), torch.ones_like(q)
+    q, k, v = qkv = _leaves(T, heads, kv_heads, head_dim, device, dtype, gen)
+    grad_out = torch.ones_like(q)
     sizes = [("max_seqlen", m, docs) for m in _doublings(longest, T)]
     sizes += [("capacity", longest, c) for c in _doublings(docs, max(512, docs))]
     cases = [(axis, backend, m, c) for axis, m, c in sizes for backend in ("flash", "fa2-op")]
@@ -243,7 +251,7 @@ def declared_size_sweep(
                 )
             row["fwdbwd_ms"] = _fwdbwd_ms(attend, qkv, grad_out, reps)
         except (RuntimeError, NotImplementedError) as exc:
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            row["error"] = error_line(exc)
         rows.append(row)
         if on_row is not None:
             on_row(row)
@@ -274,12 +282,8 @@ def wrapper_kernels(
     gen = torch.Generator(device=device).manual_seed(seed)
     (batch,) = batch_stream(mix, T, 1, seed=seed + 7)
     lengths = list(batch.doc_lengths)
-    q = torch.randn(T, heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
-    k, v = (
-        torch.randn(T, kv_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
-        for _ in "kv"
-    )
-    qkv, grad_out = (q, k, v), torch.ones_like(q)
+    q, k, v = qkv = _leaves(T, heads, kv_heads, head_dim, device, torch.bfloat16, gen)
+    grad_out = torch.ones_like(q)
     per_backend: dict[str, dict[str, float]] = {}
     for backend in ("flash", "fa2-op"):
         attend = _runner(backend, q, k, v, lengths, T)

@@ -355,6 +355,7 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
         backend_benchmark,
         backends_markdown,
         declared_size_sweep,
+        error_line,
         kernels_markdown,
         sweep_markdown,
         wrapper_kernels,
@@ -385,7 +386,7 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
         try:
             kernels = [r for T in T_values[:2] for r in wrapper_kernels(T, max(head_dims), device=device)]
         except RuntimeError as exc:  # recorded, and the timings still run
-            kernels_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            kernels_error = error_line(exc)
             print(f"warning: the wrapper's kernel profile failed ({kernels_error})", file=sys.stderr)
     try:  # the sweep before the matrix: a time limit cuts the matrix's last rows, not the sweep
         for T in T_values:
