@@ -138,8 +138,8 @@ def _attend(
     # Rows of no document could hold anything (NaN from a diverged run): a partly masked block still multiplies
     # their values by a zero probability, so they are zeroed first, as FlashAttention never reads them. Their
     # queries too, so that their grads are exact zeros whatever the kernel does with a row that sees no key. The
-    # zeroing writes each tensor as [1, H, T, D], the layout FlexAttention reads (and the only one Inductor's CPU
-    # template takes).
+    # zeroing runs on the [1, H, T, D] views FlexAttention takes, so that its results are 4-D buffers: Inductor's CPU
+    # template takes no other (a 3-D buffer under a view failed to lower), and compiled, Inductor lays them out.
     keep = live.view(1, 1, total, 1)
     q, k, v = (
         torch.where(keep, x.transpose(0, 1).unsqueeze(0), torch.zeros((), dtype=x.dtype, device=x.device))
