@@ -11,7 +11,6 @@ bits). The figures go to the gpu-check report; the 300-step loss curves (JSON + 
 import dataclasses
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,15 +29,12 @@ from packgraph.integrations.megatron import (  # noqa: E402
 )
 
 GRAD_RTOL = 2e-2
-_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron_packed_gpt.py"
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("megatron_packed_gpt", _EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    from examples import megatron_packed_gpt as module
+
     with module.megatron_parallel_state(0):
         yield module
 

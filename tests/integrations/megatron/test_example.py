@@ -1,10 +1,6 @@
 """examples/megatron_packed_gpt.py on the CPU: the eager comparison end to end, and a graphed run driven through
 the real engine with the CPU stand-in recorder, against the eager run (same weights, same batches)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,15 +10,11 @@ from packgraph.graphs import use_recorder  # noqa: E402
 from tests.eager_recorder import EagerRecorder  # noqa: E402
 from tests.megatron_shims import megatron_on_cpu  # noqa: E402
 
-_PATH = Path(__file__).resolve().parents[3] / "examples" / "megatron_packed_gpt.py"
-
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("megatron_packed_gpt", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
+    from examples import megatron_packed_gpt as module
+
     with megatron_on_cpu():
         yield module
 

@@ -4,9 +4,7 @@ layers (the re-running stand-in recorder). Both ranks log the same global losses
 losses are those of one process trained without DDP on the union of each step's batches (fp32: the ranks' summed
 grads round in another order)."""
 
-import importlib.util
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -18,14 +16,11 @@ import torch.multiprocessing as mp
 pytest.importorskip("megatron.core")
 
 WORLD, STEPS = 2, 4
-_PATH = Path(__file__).resolve().parents[3] / "examples" / "megatron_packed_gpt.py"
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("megatron_packed_gpt", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
+    from examples import megatron_packed_gpt as module
+
     return module
 
 
