@@ -26,6 +26,8 @@ from packgraph.graphs.signature import CallSignature, ParamsPreparer, signature_
 from packgraph.params import PackedSeqParamsError
 
 if TYPE_CHECKING:
+    from packgraph.graphs.capture import GraphedCallable
+    from packgraph.graphs.entry import Entry
     from packgraph.graphs.recorder import Recorder
 
 __all__ = ["GraphSignatureError", "GraphCache", "OutputRegistry", "CaptureGroup", "ON_MISMATCH", "logger"]
@@ -188,7 +190,7 @@ class OutputRegistry:
     """
 
     def __init__(self) -> None:
-        self._by_ptr: dict[int, tuple[int, int, Any]] = {}
+        self._by_ptr: dict[int, tuple[int, int, weakref.ref[Entry] | None]] = {}
         self._statics: dict[int, Tensor] = {}
         self._tokens = itertools.count(1)
 
@@ -196,13 +198,13 @@ class OutputRegistry:
         """Whether an output starting at ``tensor``'s address is registered (by any graph)."""
         return tensor.data_ptr() in self._by_ptr
 
-    def set_producer(self, tensor: Tensor, producer: Any) -> None:
+    def set_producer(self, tensor: Tensor, producer: Entry) -> None:
         """The graph that wrote the registered output ``tensor`` last at capture (graphs of several signatures of
         one layer share it): the next layer's capture links its backward to that graph's."""
         token, owner, _ = self._by_ptr[tensor.data_ptr()]
         self._by_ptr[tensor.data_ptr()] = (token, owner, weakref.ref(producer))
 
-    def register(self, tensor: Tensor, owner: int, producer: Any = None) -> int:
+    def register(self, tensor: Tensor, owner: int, producer: Entry | None = None) -> int:
         """Register ``tensor`` (a static output of ``owner``'s graph ``producer``); return its token."""
         token = next(self._tokens)
         self._by_ptr[tensor.data_ptr()] = (token, owner, None if producer is None else weakref.ref(producer))
@@ -214,7 +216,7 @@ class OutputRegistry:
         handed out of it)."""
         return self._statics[tensor.data_ptr()]
 
-    def producer(self, tensor: Tensor) -> Any:
+    def producer(self, tensor: Tensor) -> Entry | None:
         """The live object registered with the output ``tensor`` starts at, else None."""
         hit = self._by_ptr.get(tensor.data_ptr())
         return None if hit is None or hit[2] is None else hit[2]()
@@ -257,11 +259,11 @@ class CaptureGroup:
         self.chain = chain
         self.outputs = OutputRegistry() if chain else None
         self._seq = 0
-        self.in_flight: dict[int, Any] = {}
+        self.in_flight: dict[int, Entry] = {}
         self.handouts = HandoutBook()
         self.slots = ChainGradSlots(cuda=isinstance(getattr(recorder, "stream", None), torch.cuda.Stream))
-        self._stack: list[weakref.ref] = []
-        self._callables: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._stack: list[weakref.ref[GraphedCallable]] = []
+        self._callables: weakref.WeakSet[GraphedCallable] = weakref.WeakSet()
         # Handed-out views do not keep the graphs' memory allocated: move their holders before it goes.
         weakref.finalize(self, self.handouts.settle_all)
         weakref.finalize(self, self.slots.close)
@@ -280,19 +282,19 @@ class CaptureGroup:
         states' layout, so that its own input grad goes to slot 0 and the stack holds two such buffers, not three."""
         return self.slots.record(like, 0, 1)
 
-    def add(self, graphed: Any) -> None:
+    def add(self, graphed: GraphedCallable) -> None:
         """A callable of the group (a :class:`~packgraph.graphs.capture.GraphedCallable`)."""
         self._callables.add(graphed)
 
-    def callables(self) -> list[Any]:
+    def callables(self) -> list[GraphedCallable]:
         """The group's callables still alive."""
         return list(self._callables)
 
-    def set_stack(self, callables: list[Any]) -> None:
+    def set_stack(self, callables: list[GraphedCallable]) -> None:
         """The group's callables in the order a chained stack calls them (``capture_layers``)."""
         self._stack = [weakref.ref(c) for c in callables]
 
-    def stack(self) -> list[Any]:
+    def stack(self) -> list[GraphedCallable]:
         """The chained stack's callables, in order; empty when there is none or one of them is gone."""
         stack = [r() for r in self._stack]
         return stack if all(c is not None for c in stack) else []

@@ -61,7 +61,7 @@ import operator
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -70,8 +70,8 @@ from packgraph import slot_boundary
 from packgraph.graphs import memory
 from packgraph.graphs.cache import CaptureGroup, GraphCache, logger
 from packgraph.graphs.entry import Entry, explained_capture_errors
-from packgraph.graphs.memory import SharedBuffers
-from packgraph.graphs.recorder import recorder_for
+from packgraph.graphs.memory import Handout, SharedBuffers
+from packgraph.graphs.recorder import Recorder, recorder_for
 from packgraph.graphs.signature import (
     CallSignature,
     ParamsPreparer,
@@ -81,6 +81,9 @@ from packgraph.graphs.signature import (
     identity_statics,
     is_chained,
 )
+
+if TYPE_CHECKING:
+    from packgraph.buckets import BucketPolicy
 
 __all__ = [
     "capture",
@@ -225,7 +228,7 @@ class GraphedCallable:
         registry = group.outputs
         self._chain_of = None if registry is None else (lambda t: registry.lookup(t, self.uid))
         self._device_type = group.recorder.device_type
-        self.grad_records: dict[int, Any] = {}  # id(param) -> the Handout of the grad last handed out for it
+        self.grad_records: dict[int, Handout] = {}  # id(param) -> the record of the grad last handed out for it
         self._hooks: list[Any] = []  # refilled by each _scan_slots; removed with this callable
         weakref.finalize(self, _remove_hooks, self._hooks)
         self._scan_slots()
@@ -617,7 +620,9 @@ def _capture_stack(
     return entries
 
 
-def _make_group(recorder: Any, *, validate: str, buckets: Any, keep_mamba_fields: bool, chain: bool) -> CaptureGroup:
+def _make_group(
+    recorder: Recorder, *, validate: str, buckets: BucketPolicy | None, keep_mamba_fields: bool, chain: bool
+) -> CaptureGroup:
     preparer = ParamsPreparer(validate=validate, buckets=buckets, keep_mamba_fields=keep_mamba_fields)
     return CaptureGroup(recorder, preparer, chain=chain)
 
@@ -627,13 +632,13 @@ def _as_args(sample_args: Any) -> tuple:
 
 
 def capture_with(
-    recorder: Any,
+    recorder: Recorder,
     fn_or_module: Callable,
     sample_args: Any,
     sample_kwargs: dict | None = None,
     *,
     validate: str = "host",
-    buckets: Any = None,
+    buckets: BucketPolicy | None = None,
     keep_mamba_fields: bool = False,
     **options: Any,
 ) -> GraphedCallable:
@@ -647,14 +652,14 @@ def capture_with(
 
 
 def capture_layers_with(
-    recorder: Any,
+    recorder: Recorder,
     layers: Sequence[Callable],
     sample_args: Any,
     sample_kwargs: dict | None = None,
     *,
     chain: bool = True,
     validate: str = "host",
-    buckets: Any = None,
+    buckets: BucketPolicy | None = None,
     keep_mamba_fields: bool = False,
     **options: Any,
 ) -> list[GraphedCallable]:
@@ -693,7 +698,7 @@ def capture(
     on_mismatch: str = "recapture",
     max_graphs: int | None = None,
     forward_only: bool = False,
-    buckets: Any = None,
+    buckets: BucketPolicy | None = None,
     validate: str = "host",
     keep_mamba_fields: bool = False,
     share_activations: bool = True,

@@ -26,8 +26,8 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -48,18 +48,22 @@ from packgraph.graphs.signature import (
     tensor_requires_grad,
 )
 
+if TYPE_CHECKING:
+    from packgraph.graphs.cache import CaptureGroup, GraphCache
+    from packgraph.graphs.memory import SharedBuffers
+
 __all__ = ["Entry", "Owner", "Replay", "explained_capture_errors"]
 
 
 class Owner(Protocol):
     """What an entry reads of the callable that caches it (a :class:`~packgraph.graphs.capture.GraphedCallable`)."""
 
-    fn: Any
+    fn: Callable[..., Any]
     name: str
     uid: int
-    group: Any  # its capture group: recorder, pool, capture numbers, entries in flight, output registry
-    buffers: Any  # its SharedBuffers
-    cache: Any  # signature -> Entry
+    group: CaptureGroup  # recorder, pool, capture numbers, entries in flight, output registry
+    buffers: SharedBuffers
+    cache: GraphCache[Entry]  # signature -> Entry
     grad_records: dict[int, Handout]  # id(parameter) -> the record of the grad last handed out for it
     debug: bool
     forward_only: bool
@@ -84,7 +88,7 @@ class Entry:
     ) -> None:
         self.owner = owner
         self.key = key
-        self.flight: Any = None  # weakref to the autograd context of a forward whose backward has not run
+        self.flight: weakref.ref | None = None  # the autograd context of a forward whose backward has not run
         self.fwd_seq = 0  # capture numbers in the group (see packgraph.graphs.memory)
         self.bwd_seq: int | None = None
         self.trainable: list[Tensor] = owner.trainable_now()
@@ -144,7 +148,7 @@ class Entry:
         self.fwd_graph: Any = None
         self.bwd_graph: Any = None
         self.trains = False  # set by capture_forward: a backward graph is wanted (captured now or at first use)
-        self.consumer: Any = None  # weakref to the entry that reads our output in place (chained stacks)
+        self.consumer: weakref.ref[Entry] | None = None  # the entry that reads our output in place (chained stacks)
         self.out_records: list[Handout] = []
         self.grad_records: list[Handout | None] = []
         self.chain_records: dict[int, Handout] = {}  # input-grad index -> the stack's chained grad buffer it writes

@@ -29,7 +29,7 @@ import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -45,6 +45,9 @@ from packgraph.params import (
     params_type_of,
     tensor_version,
 )
+
+if TYPE_CHECKING:
+    from packgraph.buckets import BucketPolicy
 
 __all__ = [
     "CallSignature",
@@ -268,7 +271,12 @@ class ParamsPreparer:
     """
 
     def __init__(
-        self, *, validate: str = "host", buckets: Any = None, keep_mamba_fields: bool = False, cache_size: int = 8
+        self,
+        *,
+        validate: str = "host",
+        buckets: BucketPolicy | None = None,
+        keep_mamba_fields: bool = False,
+        cache_size: int = 8,
     ) -> None:
         if validate not in VALIDATE_MODES:
             raise ValueError(f"validate must be one of {VALIDATE_MODES}, got {validate!r}")
