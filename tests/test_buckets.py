@@ -189,22 +189,18 @@ def test_geometric_ladder_ends_at_top():
     assert geometric_ladder(256, 128, 2) == (128,)  # start past top: top alone
 
 
-def test_capacity_ladder_must_not_straddle_the_short_docs_switch(monkeypatch):
-    """With slot_boundary.SHORT_DOCS_MIN_SLOTS = m, a ladder with rungs of m or more needs a rung of m - 1;
-    below m, or with the switch off, any ladder goes."""
-    from packgraph import slot_boundary
-
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", None)
-    policy = BucketPolicy((64,), (8, 64, 1024))
-    assert policy.bucket_for(10, 100).capacity == 1024  # off
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 513)
-    with pytest.raises(ValueError, match=r"none of 512.*Build the BucketPolicy after"):
-        policy.bucket_for(10, 100)  # built before the switch was set
-    assert BucketPolicy((64,), (8, 512, 1024)).bucket_for(10, 100).capacity == 512
-    built_after = BucketPolicy((64,), (8, 64, 1024))  # the policy adds the rung itself
-    assert built_after.capacity_ladder == (8, 64, 512, 1024)
-    assert built_after.bucket_for(10, 100).capacity == 512 and built_after.bucket_for(10, 513).capacity == 1024
-    assert "(8, 64, 512, 1024)" in built_after.describe()
-    assert BucketPolicy((64,), (8, 64, 256)).bucket_for(10, 100).capacity == 256  # nothing reaches 513
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)  # every call: nothing to straddle
-    assert policy.bucket_for(10, 100).capacity == 1024
+def test_capacity_ladder_gets_the_rung_below_the_short_docs_switch():
+    """With ``short_docs_min_slots = m``, a ladder with rungs of m or more gets a rung of m - 1, so that no bucket
+    takes batches on both sides of the switch; below m, with the switch off, or for the document mask's kernel
+    (no switch), the ladder is kept."""
+    off = BucketPolicy((64,), (8, 64, 1024), short_docs_min_slots=None)
+    assert off.capacity_ladder == (8, 64, 1024) and off.bucket_for(10, 100).capacity == 1024
+    policy = BucketPolicy((64,), (8, 64, 1024), short_docs_min_slots=513)
+    assert policy.capacity_ladder == (8, 64, 512, 1024)
+    assert policy.bucket_for(10, 100).capacity == 512 and policy.bucket_for(10, 513).capacity == 1024
+    assert "(8, 64, 512, 1024)" in policy.describe()
+    assert BucketPolicy((64,), (8, 64, 256), short_docs_min_slots=513).capacity_ladder == (8, 64, 256)
+    every_call = BucketPolicy((64,), (8, 64, 1024), short_docs_min_slots=1)  # nothing to straddle
+    assert every_call.capacity_ladder == (8, 64, 1024) and every_call.bucket_for(10, 100).capacity == 1024
+    no_switch = BucketPolicy((64,), (8, 64, 1024), flash_kernels=False, short_docs_min_slots=513)
+    assert no_switch.capacity_ladder == (8, 64, 1024)

@@ -44,19 +44,22 @@ class BucketPolicy:
         capacity_ladder: allowed capacities (``cu_seqlens`` slots), strictly increasing positive ints.
         flash_kernels: the layers run FlashAttention (``varlen_attention``'s ``"flash"`` backend, the default).
             ``False`` for the document-mask backend, whose kernel does not switch with the slot count.
+        short_docs_min_slots: from how many slots causal self-attention runs short_docs (``None``: never;
+            :mod:`packgraph.slot_boundary`), stamped on every params :meth:`apply` returns.
 
     The number of buckets (hence of graphs a training run may capture) is the product of the ladder lengths.
-    With :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` set to ``m`` at construction, a capacity ladder
-    with rungs of ``m`` or more gets a rung of ``m - 1`` when it lacks one (:func:`~packgraph.slot_boundary.
-    with_boundary_rung`), so that no bucket holds batches on both sides of the attention kernel's switch; unless
-    ``flash_kernels`` is ``False``.
+    With ``short_docs_min_slots = m``, a capacity ladder with rungs of ``m`` or more gets a rung of ``m - 1`` when it
+    lacks one (:func:`~packgraph.slot_boundary.with_boundary_rung`), so that no bucket holds batches on both sides
+    of the attention kernel's switch; unless ``flash_kernels`` is ``False``.
     """
 
     max_seqlen_ladder: tuple[int, ...]
     capacity_ladder: tuple[int, ...]
     flash_kernels: bool = True
+    short_docs_min_slots: int | None = slot_boundary.DEFAULT_MIN_SLOTS
 
     def __post_init__(self) -> None:
+        slot_boundary.check_min_slots(self.short_docs_min_slots, "BucketPolicy.short_docs_min_slots")
         for name in ("max_seqlen_ladder", "capacity_ladder"):
             ladder = tuple(getattr(self, name))
             if not ladder:
@@ -68,7 +71,7 @@ class BucketPolicy:
             if any(b <= a for a, b in zip(ladder, ladder[1:], strict=False)):
                 raise ValueError(f"BucketPolicy.{name} must be sorted and unique (strictly increasing), got {ladder}")
             if name == "capacity_ladder" and self.flash_kernels:
-                ladder = slot_boundary.with_boundary_rung(ladder)
+                ladder = slot_boundary.with_boundary_rung(ladder, self.short_docs_min_slots)
             object.__setattr__(self, name, ladder)
 
     @property
@@ -105,8 +108,7 @@ class BucketPolicy:
             num_seqs: the number of slots the batch uses (>= 0).
 
         Raises:
-            ValueError: nothing fits; the message says which ladder to extend or what to cap. Or the capacity
-                ladder straddles ``packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS`` (``check_capacity_ladder``).
+            ValueError: nothing fits; the message says which ladder to extend or what to cap.
         """
         if max_seqlen < 0 or num_seqs < 0:
             raise ValueError(f"max_seqlen and num_seqs must be >= 0, got {max_seqlen}, {num_seqs}")
@@ -116,8 +118,6 @@ class BucketPolicy:
                 f"no bucket fits max_seqlen={max_seqlen}: the largest max_seqlen rung is {self.max_seqlen}; add a "
                 f"rung >= {max_seqlen} or truncate documents to {self.max_seqlen} tokens"
             )
-        if self.flash_kernels:
-            slot_boundary.check_capacity_ladder(self.capacity_ladder)
         capacity = next((v for v in self.capacity_ladder if v >= num_seqs), None)
         if capacity is None:
             raise ValueError(
@@ -132,7 +132,9 @@ class BucketPolicy:
         return self.bucket_for(max_seqlen, self._slots(params.capacity, num_seqs))
 
     def _slots(self, capacity: int, num_seqs: int) -> int:
-        return slot_boundary.bucket_slots(capacity, num_seqs) if self.flash_kernels else num_seqs
+        if not self.flash_kernels:
+            return num_seqs
+        return slot_boundary.bucket_slots(capacity, num_seqs, self.short_docs_min_slots)
 
     def apply(self, params: PackedSeqParams) -> PackedSeqParams:
         """Return ``params`` re-padded to their bucket: graph-safe, no host sync.
@@ -140,7 +142,7 @@ class BucketPolicy:
         * The true longest sequence and number of used slots are read from ``params.host_offsets`` (host copies,
           no sync) when they are current (:meth:`~packgraph.params.PackedSeqParams.current_host_offsets`: on the
           CPU that includes their values). Trailing zero-length slots count as ghosts and may be dropped, but not
-          below :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` when it is set. Without current host offsets
+          below ``short_docs_min_slots`` when it is set. Without current host offsets
           the params' own static ``max(max_seqlen_q, max_seqlen_kv)`` and ``capacity`` are taken as the bound, so
           the capacity only grows. On a GPU, offsets written behind the version counter (``.data``, DLPack) leave
           the old copies current, and slots they fill past the old last document would be sliced away: rebuild the
@@ -148,6 +150,7 @@ class BucketPolicy:
         * Every ``cu_seqlens*`` tensor is resized to ``capacity + 1`` entries with device ops only: extended by
           repeating its last offset (ghost slots) or sliced (the result may share storage with the input).
           Tensors shared between fields stay shared.
+        * ``short_docs_min_slots`` is set to the policy's.
         * ``max_seqlen_q`` and ``max_seqlen_kv`` are set to the bucket's static value; ``host_offsets`` are
           resized to match; a present ``seq_idx`` is re-derived on the device so its tail value follows the new
           capacity.
@@ -170,7 +173,11 @@ class BucketPolicy:
         if host is not None:
             new_host = {name: _resize_host(offs, bucket.capacity) for name, offs in host.items()}
         out = params.replace(
-            max_seqlen_q=bucket.max_seqlen, max_seqlen_kv=bucket.max_seqlen, host_offsets=new_host, **changes
+            max_seqlen_q=bucket.max_seqlen,
+            max_seqlen_kv=bucket.max_seqlen,
+            host_offsets=new_host,
+            short_docs_min_slots=self.short_docs_min_slots,
+            **changes,
         )
         if out.seq_idx is not None:
             out = out.with_seq_idx()

@@ -48,6 +48,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from packgraph import slot_boundary
+
 __all__ = [
     "DYNAMIC_FIELDS",
     "MAMBA_FIELDS",
@@ -132,6 +134,7 @@ class StaticSignature:
     cp_group: GroupIdentity
     total_tokens: int | None
     tensors: tuple[tuple[str, TensorSpec], ...]
+    short_docs_min_slots: int | None = slot_boundary.DEFAULT_MIN_SLOTS
 
     @property
     def capacity(self) -> int | None:
@@ -266,6 +269,9 @@ def _check_offset_tensors(params: PackedSeqParams, capacity: int | None) -> None
 
 
 def _check_static_ints(params: PackedSeqParams) -> None:
+    m = params.short_docs_min_slots
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise PackedSeqParamsError("short_docs_min_slots", "must be a slot count (an int >= 1) or None", f"got {m!r}")
     for name in ("max_seqlen_q", "max_seqlen_kv", "total_tokens", "local_cp_size"):
         v = getattr(params, name)
         if v is None:
@@ -448,6 +454,9 @@ class PackedSeqParams:
             They let ``validate`` check values with no device sync. Not a Megatron field; not in the signature.
             Copies made stale by a write are not trusted (:meth:`current_host_offsets`); on a GPU that needs the
             write to bump the tensor's version (see there).
+        short_docs_min_slots: from how many slots causal self-attention runs :mod:`packgraph.ops.short_docs`
+            instead of one FlashAttention call (``None``: never; :mod:`packgraph.slot_boundary`). Static, in the
+            signature. Not a Megatron field: a ``BucketPolicy`` stamps its own on the params it buckets.
     """
 
     qkv_format: str = "thd"
@@ -462,6 +471,7 @@ class PackedSeqParams:
     total_tokens: int | None = None
     seq_idx: Tensor | None = None
     host_offsets: Mapping[str, tuple[int, ...]] | None = field(default=None, repr=False)
+    short_docs_min_slots: int | None = slot_boundary.DEFAULT_MIN_SLOTS
 
     def __post_init__(self) -> None:
         if self.host_offsets is not None and not isinstance(self.host_offsets, HostOffsets):
@@ -680,6 +690,7 @@ class PackedSeqParams:
             cp_group=GroupIdentity(self.cp_group),
             total_tokens=self.total_tokens,
             tensors=tuple((name, TensorSpec.of(getattr(self, name))) for name in (*DYNAMIC_FIELDS, "seq_idx")),
+            short_docs_min_slots=self.short_docs_min_slots,
         )
 
     @classmethod
@@ -707,6 +718,7 @@ class PackedSeqParams:
             local_cp_size=signature.local_cp_size,
             cp_group=signature.cp_group.obj,
             total_tokens=signature.total_tokens,
+            short_docs_min_slots=signature.short_docs_min_slots,
             **tensors,
         )
 

@@ -2,14 +2,13 @@
 
 import pytest
 
-from packgraph import slot_boundary
 from packgraph.bench.attention import evaluate_ladders, recommend_ladder
 
 
-def test_ladder_evaluation_and_recommendation(monkeypatch):
+def test_ladder_evaluation_and_recommendation():
     # one packing per mix at T=1024; ratios chosen so that a coarse ladder is slow on the short mix. The ladders
-    # are taken as given: short_docs' boundary rung (slot_boundary.with_boundary_rung) is tested on its own.
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", None)
+    # are taken as given (switch off): short_docs' boundary rung (slot_boundary.with_boundary_rung) is tested on
+    # its own.
     rows = []
 
     def add(mix, true_max, num_seqs, points):
@@ -32,7 +31,7 @@ def test_ladder_evaluation_and_recommendation(monkeypatch):
 
     add("short", 100, 20, {(100, 20): 1.0, (128, 32): 1.02, (256, 32): 1.05, (1024, 32): 1.6, (1024, 512): 3.0})
     add("long", 1000, 2, {(1000, 2): 1.0, (1024, 2): 1.005, (1024, 8): 1.01, (1024, 32): 1.03, (1024, 512): 1.4})
-    summary = {s["ladder"]: s for s in evaluate_ladders(rows)}
+    summary = {s["ladder"]: s for s in evaluate_ladders(rows, short_docs_min_slots=None)}
     default = summary["default"]  # max_seqlen (256, 1024) x capacity (8, 32, 128, 512): long runs at (1024, 8)
     assert default["worst_ratio_by_mix"] == {"short": 1.05, "long": 1.01}
     assert default["worst_ratio"] == 1.05 and default["mean_ratio"] == pytest.approx((1.05 + 1.01) / 2)

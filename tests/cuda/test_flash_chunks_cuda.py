@@ -13,18 +13,12 @@ import random
 import pytest
 import torch
 
-from packgraph import PackedSeqParams, slot_boundary
+from packgraph import PackedSeqParams
 from packgraph.ops import attention as attention_mod
 from packgraph.ops import varlen_attention
 
 DEVICE = "cuda"
 T, HQ, D, MAX_SEQLEN = 2048, 8, 64, 256
-
-
-@pytest.fixture(autouse=True)
-def _one_fa2_call_on_every_slot(monkeypatch):
-    """The subject is FA2's backward over all the slots, chunked or not: keep packgraph.ops.short_docs out."""
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", None)
 
 
 def _lengths(n_docs, seed, pad):
@@ -36,9 +30,10 @@ def _lengths(n_docs, seed, pad):
 
 
 def _params(lengths, capacity, pad):
+    """The subject is FA2's backward over all the slots, chunked or not: short_docs (the switch) is off."""
     return PackedSeqParams.from_seqlens(
         lengths, capacity=capacity, total_tokens=T, pad_to_multiple=pad, max_seqlen=MAX_SEQLEN, device=DEVICE
-    )
+    ).replace(short_docs_min_slots=None)
 
 
 def _inputs(hkv, seed):

@@ -7,11 +7,12 @@ Every test here is marked ``cuda`` by tests/conftest.py and skipped without a GP
 """
 
 import random
+import sys
 
 import pytest
 import torch
 
-from packgraph import PackedSeqParams, slot_boundary
+from packgraph import PackedSeqParams
 from packgraph.ops import apply_rope_thd, varlen_attention, varlen_attention_reference
 from packgraph.ops import attention as attention_mod
 
@@ -98,10 +99,14 @@ DTYPE_PAD_PATHS = pytest.mark.parametrize(
 
 
 def use_short_docs(monkeypatch, q, k, params):
-    """Route these offsets through packgraph.ops.short_docs (local blocks + one FA2 call on the long documents)
-    although their capacity is below SHORT_DOCS_MIN_SLOTS, and check that it applies."""
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)
-    assert attention_mod._short_docs_apply(q, k, params, True)
+    """``params``, and every packing ``make_params`` builds for the rest of the test, with ``short_docs_min_slots``
+    at 1: routed through packgraph.ops.short_docs (local blocks + one FA2 call on the long documents) although their
+    capacity is below the default switch. Checks that it applies."""
+    build = make_params
+    monkeypatch.setattr(sys.modules[__name__], "make_params", lambda *a: build(*a).replace(short_docs_min_slots=1))
+    switched = params.replace(short_docs_min_slots=1)
+    assert attention_mod._short_docs_apply(q, k, switched, True)
+    return switched
 
 
 # ------------------------------------------------------------------------------------------------ FA2 vs reference
@@ -133,7 +138,7 @@ def test_flash_matches_float64_reference(monkeypatch, pad, causal, hkv, scale, s
     )
     assert_flash_path(q)
     if short_docs:
-        use_short_docs(monkeypatch, q, k, params)
+        params = use_short_docs(monkeypatch, q, k, params)
     weight = torch.randn(T, HQ, D, device=DEVICE)
     out = varlen_attention(q, k, v, params, causal=causal, softmax_scale=scale)
     assert out.dtype == torch.bfloat16 and out.shape == (T, HQ, D)
@@ -280,7 +285,7 @@ def test_graph_replay_forward_matches_eager(monkeypatch, dtype, pad, short_docs,
     if dtype == torch.bfloat16:
         assert_flash_path(q)
     if short_docs:
-        use_short_docs(monkeypatch, q, k, static.params)
+        static.params = use_short_docs(monkeypatch, q, k, static.params)
     with torch.no_grad():
         warm_up(lambda: rope_attention(q, k, v, static.params))
         graph = torch.cuda.CUDAGraph()
@@ -320,7 +325,7 @@ def test_graph_replay_with_backward_matches_eager(monkeypatch, pad, short_docs, 
     weight = torch.randn(T, HQ, D, device=DEVICE)
     assert_flash_path(q)
     if short_docs:
-        use_short_docs(monkeypatch, q, k, static.params)
+        static.params = use_short_docs(monkeypatch, q, k, static.params)
 
     def step():
         out = rope_attention(q, k, v, static.params)
@@ -359,7 +364,7 @@ def test_no_host_sync(monkeypatch, dtype, pad, short_docs):
     params = make_params(lengths, pad)  # host-to-device copies happen here, before the debug mode
     q, k, v = (randn(T, h, D, dtype=dtype, requires_grad=True) for h in (HQ, HKV, HKV))
     if short_docs:
-        use_short_docs(monkeypatch, q, k, params)
+        params = use_short_docs(monkeypatch, q, k, params)
     weight = torch.randn(T, HQ, D, device=DEVICE)
     position_ids = torch.arange(T, device=DEVICE)
     rope_attention(q, k, v, params)  # first call: signature detection, RoPE cache
@@ -445,7 +450,7 @@ def test_flash_window_matches_float64_reference(monkeypatch, pad, causal, hkv, w
     q, k, v = randn(T, HQ, D), randn(T, hkv, D), randn(T, hkv, D)
     assert_flash_path(q)
     if short_docs:
-        use_short_docs(monkeypatch, q, k, params)
+        params = use_short_docs(monkeypatch, q, k, params)
     weight = bf16_weight(T, HQ, D)
     flash_calls = spy_flash(monkeypatch)
     out, grads = fwd_bwd(q, k, v, params, weight, causal=causal, window=window)
@@ -487,7 +492,7 @@ def test_graph_replay_with_window_matches_eager_and_float64(monkeypatch, window,
     weight = bf16_weight(T, HQ, D)
     assert_flash_path(q)
     if short_docs:
-        use_short_docs(monkeypatch, q, k, static.params)
+        static.params = use_short_docs(monkeypatch, q, k, static.params)
     flash_calls = spy_flash(monkeypatch)
 
     def step():

@@ -1,5 +1,5 @@
 """GPU checks of packgraph.ops.short_docs at the bucket tour's scale: T=2048, 2048 slots, one long document among
-hundreds of short ones (and corpus-like mixes), with ``SHORT_DOCS_MIN_SLOTS`` at 512 (129 by default: these
+hundreds of short ones (and corpus-like mixes), with ``short_docs_min_slots`` at 512 (129 by default: these
 buckets run it either way).
 
 Against the float64 reference and against one FA2 call on every slot (the path it replaces): the same outputs and
@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from packgraph import PackedSeqParams, slot_boundary
+from packgraph import PackedSeqParams
 from packgraph.ops import attention as attention_mod
 from packgraph.ops import short_docs, varlen_attention, varlen_attention_reference
 
@@ -32,9 +32,16 @@ def _lengths(kind, seed):
 
 
 def _params(lengths):
-    return PackedSeqParams.from_seqlens(
-        lengths, capacity=CAPACITY, total_tokens=T, max_seqlen=MAX_SEQLEN, device=DEVICE
-    ).attention_view()
+    return (
+        PackedSeqParams.from_seqlens(lengths, capacity=CAPACITY, total_tokens=T, max_seqlen=MAX_SEQLEN, device=DEVICE)
+        .attention_view()
+        .replace(short_docs_min_slots=512)
+    )
+
+
+def _one_fa2_call(params):
+    """The same params with the switch off: one FA2 call on every slot."""
+    return params.replace(short_docs_min_slots=None)
 
 
 def _inputs(hkv, seed):
@@ -54,15 +61,6 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _one_fa2_call(m):
-    m.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", None)
-
-
-@pytest.fixture(autouse=True)
-def _short_docs_from_512_slots(monkeypatch):
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 512)
-
-
 @pytest.mark.parametrize("hkv", [HQ, 2])
 @pytest.mark.parametrize("kind", ["tour", "corpus"])
 def test_short_docs_match_float64_and_the_one_call_path(monkeypatch, kind, hkv, report):
@@ -70,9 +68,7 @@ def test_short_docs_match_float64_and_the_one_call_path(monkeypatch, kind, hkv, 
     q, k, v, grad = _inputs(hkv, 1)
     assert attention_mod._short_docs_apply(q, k, params, True)
     got = _fwd_bwd(q, k, v, grad, params)
-    with monkeypatch.context() as m:
-        _one_fa2_call(m)
-        one_call = _fwd_bwd(q, k, v, grad, params)
+    one_call = _fwd_bwd(q, k, v, grad, _one_fa2_call(params))
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_out = varlen_attention_reference(qd, kd, vd, params)
     ref = (ref_out, *torch.autograd.grad(ref_out, (qd, kd, vd), grad.double()))
@@ -94,7 +90,7 @@ def test_backward_peak_is_below_the_one_call_peak(monkeypatch, report):
     params = _params(_lengths("tour", 2))
     q, k, v, grad = _inputs(HQ, 3)
 
-    def backward_peak():
+    def backward_peak(params):
         out = varlen_attention(q, k, v, params)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -103,10 +99,8 @@ def test_backward_peak_is_below_the_one_call_peak(monkeypatch, report):
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 
-    short = backward_peak()
-    with monkeypatch.context() as m:
-        _one_fa2_call(m)
-        one_call = backward_peak()  # chunked over slots (packgraph.ops.flash_chunks)
+    short = backward_peak(params)
+    one_call = backward_peak(_one_fa2_call(params))  # chunked over slots (packgraph.ops.flash_chunks)
     report("short-docs backward peak / one FA2 call's (chunked), tour bucket", short / one_call)
     assert short < 0.5 * one_call, (short / 2**20, one_call / 2**20)
 
@@ -186,9 +180,7 @@ def test_short_docs_with_a_window_match_float64_and_the_one_call_path(monkeypatc
         m.setattr(attention_mod, "_run_flash", spied)
         got = _fwd_bwd(q, k, v, grad, params, window=window)
     assert calls == ([] if left <= short_docs.BLOCK else [window]), calls
-    with monkeypatch.context() as m:
-        _one_fa2_call(m)
-        one_call = _fwd_bwd(q, k, v, grad, params, window=window)
+    one_call = _fwd_bwd(q, k, v, grad, _one_fa2_call(params), window=window)
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_out = varlen_attention_reference(qd, kd, vd, params, window=window)
     ref = (ref_out, *torch.autograd.grad(ref_out, (qd, kd, vd), grad.double()))

@@ -348,19 +348,17 @@ def test_training_mode_and_autocast_are_in_the_signature():
     assert graphed.captures == 3 and graphed.signatures[-1].autocast == torch.bfloat16
 
 
-def test_the_attention_kernel_switch_is_in_the_signature(monkeypatch):
-    """A graph bakes in the attention kernel that slot_boundary.SHORT_DOCS_MIN_SLOTS selects: changing it after a
-    capture selects another graph (or raises under on_mismatch="error"), never the stale one."""
-    from packgraph import slot_boundary
-
-    lin = nn.Linear(D, D)
-    graphed = capture_with(EagerRecorder(), lin, (torch.randn(4, D),))
-    strict = capture_with(EagerRecorder(), lin, (torch.randn(4, D),), on_mismatch="error")
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 513)
-    graphed(torch.randn(4, D))
-    assert graphed.captures == 2 and graphed.signatures[-1].short_docs == 513
-    with pytest.raises(GraphSignatureError, match="SHORT_DOCS_MIN_SLOTS"):
-        strict(torch.randn(4, D))
+def test_the_attention_kernel_switch_is_in_the_signature():
+    """A graph bakes in the attention kernel that the params' ``short_docs_min_slots`` selects: params with another
+    value select another graph (or raise under on_mismatch="error", naming the field), never the stale one."""
+    p = _params([10, 20])
+    graphed = capture_with(EagerRecorder(), _model(), (_x(0), p))
+    strict = capture_with(EagerRecorder(), _model(), (_x(0), p), on_mismatch="error")
+    other = p.replace(short_docs_min_slots=513)
+    graphed(_x(1), other).sum().backward()
+    assert graphed.captures == 2
+    with pytest.raises(GraphSignatureError, match="short_docs_min_slots"):
+        strict(_x(1), other)
 
 
 # ------------------------------------------------------------------------------------------------ bad input

@@ -210,16 +210,15 @@ def test_container_structure_and_leaves_are_diffed():
     assert signature_diff(a, c)[1][1:] == ("int 1", "int 2")
 
 
-def test_preparer_rebuckets_when_the_short_docs_switch_changes(monkeypatch):
-    """A cached bucketing is not reused across a change of slot_boundary.SHORT_DOCS_MIN_SLOTS: the bucket of
-    params with ghost slots depends on it (BucketPolicy.apply keeps them from the switch on)."""
-    from packgraph import slot_boundary
+def test_preparer_buckets_by_its_policys_short_docs_switch():
+    """The bucket of params with ghost slots depends on the switch (``BucketPolicy.apply`` keeps them from the
+    switch on): each preparer buckets by its own policy's, and the prepared params carry it."""
+    import dataclasses
+
     from packgraph.buckets import default_buckets
 
-    prepare = ParamsPreparer(buckets=default_buckets(1024))
     params = PackedSeqParams.from_seqlens([3] * 200, capacity=1000, total_tokens=1024)
-    assert prepare(params).params.capacity == 512
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 513)
-    assert prepare(params).params.capacity == 1024
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", None)
-    assert prepare(params).params.capacity == 512
+    for m, capacity in ((129, 512), (513, 1024), (None, 512)):
+        prepare = ParamsPreparer(buckets=dataclasses.replace(default_buckets(1024), short_docs_min_slots=m))
+        prepared = prepare(params).params
+        assert (prepared.capacity, prepared.short_docs_min_slots) == (capacity, m)

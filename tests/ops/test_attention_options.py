@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from packgraph import PackedSeqParams, slot_boundary
+from packgraph import PackedSeqParams
 from packgraph.ops import attention as attention_mod
 from packgraph.ops import flash_chunks, short_docs, varlen_attention, varlen_attention_reference
 from tests.ops.test_attention import fake_apis, fake_chunk_ops
@@ -403,7 +403,7 @@ def test_short_docs_window_matches_loop(monkeypatch, case, left):
     ``left`` keys; up to BLOCK every document runs in local blocks and no FA2 call is made."""
     lengths, capacity, total = SHORT_CASES[case]
     params = PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=total, max_seqlen=max(lengths))
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)
+    params = params.replace(short_docs_min_slots=1)
     calls = []
     flash_api(monkeypatch, "2.12", calls)
     g = torch.Generator().manual_seed(15)

@@ -6,12 +6,13 @@ and rows in no segment as NaN (output and grads), as FA2 leaves them unwritten: 
 documents are over-long there, so a row taken from the wrong path, or a grad not masked, fails the comparison.
 """
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
-from packgraph import PackedSeqParams, slot_boundary
+from packgraph import PackedSeqParams
 from packgraph.ops import attention as attention_mod
 from packgraph.ops import short_docs
 from tests.ops.test_attention import fake_apis, naive_attention, qkv
@@ -74,8 +75,9 @@ def _fwd_bwd(attend, base, weight):
 def test_short_and_long_equals_the_loop(monkeypatch, version, case):
     lengths, capacity, total = CASES[case]
     max_seqlen = max(lengths, default=1)
-    params = PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=total, max_seqlen=max_seqlen)
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)
+    params = PackedSeqParams.from_seqlens(
+        lengths, capacity=capacity, total_tokens=total, max_seqlen=max_seqlen
+    ).replace(short_docs_min_slots=1)
     calls = []
     api = attention_mod._VarlenAPI.from_function(fake_apis(calls)[version])
     base = qkv(total, 4, 2, 8, seed=3)
@@ -104,8 +106,9 @@ def test_short_and_long_equals_the_loop(monkeypatch, version, case):
 def test_frozen_inputs_get_no_grad(monkeypatch):
     """Only v requires grad (q and k frozen): v's grad equals the loop's, q and k get none."""
     lengths, capacity, total = CASES["mixed"]
-    params = PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=total, max_seqlen=250)
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)
+    params = PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=total, max_seqlen=250).replace(
+        short_docs_min_slots=1
+    )
     api = attention_mod._VarlenAPI.from_function(fake_apis([])["2.12"])
     q, k, v = qkv(total, 4, 2, 8, seed=5)
     v = v.clone().requires_grad_()
@@ -117,7 +120,7 @@ def test_frozen_inputs_get_no_grad(monkeypatch):
 
 
 def test_used_only_where_it_applies(monkeypatch):
-    """Below SHORT_DOCS_MIN_SLOTS, non-causal, with padded twins, or with kv offsets of their own, one FA2 call
+    """Below short_docs_min_slots, non-causal, with padded twins, or with kv offsets of their own, one FA2 call
     runs on the params' own offsets."""
     calls = []
     api = attention_mod._VarlenAPI.from_function(fake_apis(calls)["2.12"])
@@ -128,10 +131,10 @@ def test_used_only_where_it_applies(monkeypatch):
     )
     own_kv = plain.replace(cu_seqlens_kv=plain.cu_seqlens_kv.clone())
     q, k, v = qkv(total + 32, 4, 2, 8, seed=6)
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", capacity + 1)
-    attention_mod._flash_attention(q[:total], k[:total], v[:total], plain, causal=True, softmax_scale=None, api=api)
+    below = plain.replace(short_docs_min_slots=capacity + 1)
+    attention_mod._flash_attention(q[:total], k[:total], v[:total], below, causal=True, softmax_scale=None, api=api)
     assert calls[-1]["slots"] == capacity
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)
+    plain, padded, own_kv = (p.replace(short_docs_min_slots=1) for p in (plain, padded, own_kv))
     for params, causal, rows in ((plain, False, total), (padded, True, total + 32), (own_kv, True, total)):
         attention_mod._flash_attention(q[:rows], k[:rows], v[:rows], params, causal=causal, softmax_scale=None, api=api)
         assert calls[-1]["slots"] == attention_mod.flash_offsets(params)[0].numel() - 1
@@ -142,7 +145,8 @@ def test_used_only_where_it_applies(monkeypatch):
 def test_the_result_does_not_depend_on_the_bucket(monkeypatch):
     """A batch's attention is bit for bit the same at its own params and at its bucket's, as a graphed call must
     equal eager: off, by default (short_docs from 129 slots) and from 513 (each one more than a rung). At 512, a
-    batch of fewer documents could land in a 512-slot bucket on the other kernel, and the policy refuses it."""
+    batch of fewer documents could land in a 512-slot bucket on the other kernel, so the policy adds a rung of
+    511."""
     from packgraph.buckets import default_buckets
 
     total = 1024
@@ -158,17 +162,19 @@ def test_the_result_does_not_depend_on_the_bucket(monkeypatch):
     small = PackedSeqParams.from_seqlens([3] * 100 + [300], total_tokens=total)  # 101: FA2 at its own and at 128
     # ghosts: from 513, kept past 512 so that the kernel stays short_docs; at 129 its 200 used slots keep it
     for m, slots in ((None, (512, 1024, 512, 128)), (129, (512, 1024, 512, 128)), (513, (512, 1024, 1024, 128))):
-        monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", m)
-        policy = default_buckets(total)  # capacity rungs ..., 128, 512, 1024
+        policy = dataclasses.replace(default_buckets(total), short_docs_min_slots=m)  # capacity rungs ..., 128, 512
         for params, want in zip((few, many, ghosts, small), slots, strict=True):
+            params = params.replace(short_docs_min_slots=m)  # eager runs the policy's switch too
             bucketed = policy.apply(params)
-            assert bucketed.capacity == want, (m, params.capacity)
+            assert bucketed.capacity == want and bucketed.short_docs_min_slots == m, (m, params.capacity)
             assert torch.equal(attend(params), attend(bucketed)), (m, params.capacity)
 
-    policy = default_buckets(total)
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 512)
-    with pytest.raises(ValueError, match="none of 511"):
-        policy.apply(few)
+    # At 512 the policy adds a rung of 511: 200 documents stay below the switch, on FlashAttention, both ways.
+    policy = dataclasses.replace(default_buckets(total), short_docs_min_slots=512)
+    assert 511 in policy.capacity_ladder
+    params = few.replace(short_docs_min_slots=512)
+    bucketed = policy.apply(params)
+    assert bucketed.capacity == 511 and torch.equal(attend(params), attend(bucketed))
 
 
 def test_the_two_kernels_round_differently(monkeypatch):
@@ -177,10 +183,9 @@ def test_the_two_kernels_round_differently(monkeypatch):
     params = PackedSeqParams.from_seqlens([1, 3] * 90 + [300, 200] + [2] * 18, total_tokens=1024)
     api = attention_mod._VarlenAPI.from_function(fake_apis([])["2.12"])
     q, k, v = qkv(1024, 4, 2, 8, seed=8)
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", None)
-    one_call = attention_mod._flash_attention(q, k, v, params, causal=True, softmax_scale=None, api=api)
-    monkeypatch.setattr(slot_boundary, "SHORT_DOCS_MIN_SLOTS", 1)
-    short = attention_mod._flash_attention(q, k, v, params, causal=True, softmax_scale=None, api=api)
+    off, on = params.replace(short_docs_min_slots=None), params.replace(short_docs_min_slots=1)
+    one_call = attention_mod._flash_attention(q, k, v, off, causal=True, softmax_scale=None, api=api)
+    short = attention_mod._flash_attention(q, k, v, on, causal=True, softmax_scale=None, api=api)
     torch.testing.assert_close(short, one_call, rtol=1e-12, atol=1e-12)
     assert not torch.equal(short, one_call)
 

@@ -14,6 +14,7 @@ replays candidate bucket ladders over the measured packings (each batch takes th
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from packgraph import slot_boundary
 from packgraph.backend_choice import graph_replay_ms
 from packgraph.bench.data import batch_stream
 from packgraph.buckets import BucketPolicy, default_buckets, geometric_ladder
@@ -159,9 +161,12 @@ def attention_benchmark(
     return rows
 
 
-def candidate_ladders(T: int) -> list[tuple[str, BucketPolicy]]:
+def candidate_ladders(
+    T: int, short_docs_min_slots: int | None = slot_boundary.DEFAULT_MIN_SLOTS
+) -> list[tuple[str, BucketPolicy]]:
     """Bucket policies to replay over the measurements: max_seqlen ladders x capacity ladders, plus the
-    current :func:`~packgraph.buckets.default_buckets`."""
+    current :func:`~packgraph.buckets.default_buckets`; each with the short_docs switch ``short_docs_min_slots``
+    (whose boundary rung it adds)."""
 
     seqlen_ladders = {
         "T": (T,),
@@ -178,17 +183,21 @@ def candidate_ladders(T: int) -> list[tuple[str, BucketPolicy]]:
         "32,512": (32, 512),
         "512": (512,),
     }
-    out = [("default", default_buckets(T))]
+    out = [("default", dataclasses.replace(default_buckets(T), short_docs_min_slots=short_docs_min_slots))]
     for s_name, s in seqlen_ladders.items():
         for c_name, c in capacity_ladders.items():
             caps = tuple(sorted({min(x, T) for x in c}))
-            out.append((f"max_seqlen {s_name} / capacity {c_name}", BucketPolicy(s, caps)))
+            policy = BucketPolicy(s, caps, short_docs_min_slots=short_docs_min_slots)
+            out.append((f"max_seqlen {s_name} / capacity {c_name}", policy))
     return out
 
 
-def evaluate_ladders(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Replay :func:`candidate_ladders` over measured rows: per (T, candidate), the bucket count and the worst
-    and mean attention-time ratio vs eager's (true max, true count), over every packing, mix and head_dim.
+def evaluate_ladders(
+    rows: Iterable[dict[str, Any]], short_docs_min_slots: int | None = slot_boundary.DEFAULT_MIN_SLOTS
+) -> list[dict[str, Any]]:
+    """Replay :func:`candidate_ladders` (with ``short_docs_min_slots``) over measured rows: per (T, candidate), the
+    bucket count and the worst and mean attention-time ratio vs eager's (true max, true count), over every packing,
+    mix and head_dim.
 
     A candidate that cannot hold some packing, or whose bucket was not measured, reports ``missing > 0``.
     """
@@ -200,7 +209,7 @@ def evaluate_ladders(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         packings[key] = (r["true_max"], r["num_seqs"])
     out = []
     for T in sorted({key[0] for key in packings}):
-        for name, policy in candidate_ladders(T):
+        for name, policy in candidate_ladders(T, short_docs_min_slots):
             ratios, per_mix, missing = [], {}, 0
             for key, (true_max, num_seqs) in packings.items():
                 if key[0] != T:

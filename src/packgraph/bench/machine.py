@@ -50,7 +50,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "triton": None,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "short_docs_min_slots": slot_boundary.SHORT_DOCS_MIN_SLOTS,
+        "short_docs_min_slots": slot_boundary.DEFAULT_MIN_SLOTS,
     }
     try:
         import triton

@@ -259,6 +259,7 @@ def shard_thd_for_cp(
         cp_group=group,
         total_tokens=T // cp_size,
         host_offsets=host,
+        short_docs_min_slots=params.short_docs_min_slots,
     )
     local.validate()
     live = _local_live(local, chunks)

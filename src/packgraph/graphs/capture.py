@@ -66,7 +66,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from packgraph import slot_boundary
 from packgraph.graphs import memory
 from packgraph.graphs.cache import CaptureGroup, GraphCache, logger
 from packgraph.graphs.entry import Entry, explained_capture_errors
@@ -371,8 +370,7 @@ class GraphedCallable:
             # One bool when the whole module agrees (the usual case, and the readable one in error messages).
             training = flags[0] if len(set(flags)) == 1 else flags
         autocast = autocast_state(self._device_type)
-        short_docs = slot_boundary.SHORT_DOCS_MIN_SLOTS
-        return CallSignature(args_key, kwargs_key, training, autocast, frozen, short_docs), dyn
+        return CallSignature(args_key, kwargs_key, training, autocast, frozen), dyn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fsdp == "unit":

@@ -8,8 +8,8 @@ A call ``graphed(*args, **kwargs)`` is split into
 * a **signature** (:class:`CallSignature`), hashable, that a graph is valid for: the call structure, each
   tensor's shape, dtype, device and ``requires_grad`` (plus, for inputs read in place from another graph's
   output, which output: see ``chain_of``), each PackedSeqParams' static signature and which of its fields share
-  one tensor, the non-tensor values, ``module.training``, the autocast state and the attention-kernel switch
-  (``packgraph.slot_boundary``).
+  one tensor (the attention kernel's switch, ``short_docs_min_slots``, among its static fields), the non-tensor
+  values, ``module.training`` and the autocast state.
 
 Order is fixed: positional args in order, then kwargs sorted by name, each walked depth-first in pytree order.
 :func:`rebuild_call` walks the same order to put static buffers in the place of the dynamic inputs.
@@ -35,7 +35,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from packgraph import slot_boundary
 from packgraph.params import (
     DYNAMIC_FIELDS,
     GroupIdentity,
@@ -75,8 +74,8 @@ class CallSignature(NamedTuple):
     """The static signature of one call. Hashable; equal signatures can share a graph.
 
     ``frozen``: indices (in module order) of the parameters that did not require grad: a graph trains exactly the
-    others, so freezing or unfreezing one after capture selects another graph. ``short_docs``:
-    ``packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS`` at the call, which selects the attention kernel baked in.
+    others, so freezing or unfreezing one after capture selects another graph. (The attention kernel's switch,
+    ``short_docs_min_slots``, is in the params' static signature.)
     """
 
     args: tuple
@@ -84,7 +83,6 @@ class CallSignature(NamedTuple):
     training: bool | None
     autocast: Any
     frozen: tuple[int, ...] = ()
-    short_docs: int | None = None
 
 
 class TensorKey(NamedTuple):
@@ -285,15 +283,10 @@ class ParamsPreparer:
         self.keep_mamba_fields = keep_mamba_fields
         self.cache_size = cache_size
         self._cache: OrderedDict[int, PreparedParams] = OrderedDict()
-        self._short_docs = slot_boundary.SHORT_DOCS_MIN_SLOTS
 
     def __call__(self, params: Any) -> PreparedParams:
         """``params``: a :class:`~packgraph.params.PackedSeqParams` or an instance of a registered foreign class
         (converted at the boundary, tensors shared: no copy, no sync)."""
-        if self._short_docs != slot_boundary.SHORT_DOCS_MIN_SLOTS:
-            # The bucket a params object maps to depends on the switch (BucketPolicy.apply keeps ghost slots).
-            self._cache.clear()
-            self._short_docs = slot_boundary.SHORT_DOCS_MIN_SLOTS
         prepared = self._cache.get(id(params))
         if prepared is not None and prepared.is_current_for(params):
             return prepared
@@ -490,7 +483,7 @@ def signature_diff(captured: CallSignature, given: CallSignature) -> list[tuple[
     """``[(field, captured_value, given_value), ...]`` for every field that differs between two signatures.
 
     Field names read like code: ``args[0].shape``, ``args[1].max_seqlen_q``, ``kwargs['causal']``,
-    ``module.training``, ``autocast``, ``slot_boundary.SHORT_DOCS_MIN_SLOTS``.
+    ``module.training``, ``autocast``, ``args[1].short_docs_min_slots``.
     """
     out: list[tuple[str, Any, Any]] = []
     if len(captured.args) != len(given.args):
@@ -515,8 +508,6 @@ def signature_diff(captured: CallSignature, given: CallSignature) -> list[tuple[
         out.append(("autocast", captured.autocast or "off", given.autocast or "off"))
     if captured.frozen != given.frozen:
         out.append(("frozen parameters", captured.frozen, given.frozen))
-    if captured.short_docs != given.short_docs:
-        out.append(("slot_boundary.SHORT_DOCS_MIN_SLOTS", captured.short_docs, given.short_docs))
     return out
 
 

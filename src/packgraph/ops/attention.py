@@ -638,12 +638,12 @@ def _run_flash(
 
 def _short_docs_apply(q: Tensor, k: Tensor, params: PackedSeqParams, causal: bool) -> bool:
     """Whether :mod:`packgraph.ops.short_docs` runs these offsets: causal self-attention on shared offsets
-    without padded twins, of at least :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` slots (None: never).
-    Static: shapes, field identity and capacity only. Not under torch.compile, whose tracing of the local path's
+    without padded twins, of at least ``params.short_docs_min_slots`` slots (None: never). Static: shapes, field
+    identity and capacity only. Not under torch.compile, whose tracing of the local path's
     recomputing backward is untested."""
     return (
         causal
-        and slot_boundary.short_docs_for(params.cu_seqlens_q.numel() - 1)
+        and slot_boundary.short_docs_for(params.cu_seqlens_q.numel() - 1, params.short_docs_min_slots)
         and _kv_shares_q_offsets(params)
         and params.cu_seqlens_q_padded is None
         and k.shape[0] == q.shape[0]
@@ -693,7 +693,7 @@ def varlen_attention(
     bound every real length. Offsets of more than 512 slots (ghost slots count; padded twins double them) run
     their backward in chunks of slots, 512 then fewer (:mod:`packgraph.ops.flash_chunks`): FA2 sizes a backward
     buffer by the slot count. Causal self-attention on offsets of at least
-    :data:`packgraph.slot_boundary.SHORT_DOCS_MIN_SLOTS` slots (129 by default) runs :mod:`packgraph.ops.short_docs`
+    ``packed_seq_params.short_docs_min_slots`` slots (129 by default) runs :mod:`packgraph.ops.short_docs`
     instead, whose cost does not grow with the slot count. ``window`` runs on all three (torch >= 2.11); a causal
     window of at most :data:`packgraph.ops.short_docs.BLOCK` keys to the left runs every document of short_docs in
     its local blocks. Everything else runs :func:`varlen_attention_reference`, exact but O(Hq * Tq * Tk) memory:

@@ -223,6 +223,21 @@ def test_host_offsets_survive_a_round_trip_through_megatrons_class(megatron_cls)
     assert from_megatron(written).current_host_offsets() is None
 
 
+def test_the_short_docs_switch_survives_a_round_trip_through_megatrons_class(megatron_cls):
+    """Not a Megatron field: carried on Megatron's object, so that a graph boundary that hands a Megatron layer its
+    own class keeps the kernel choice the params' signature records."""
+    from packgraph import slot_boundary
+
+    params = PackedSeqParams.from_seqlens([3, 5, 2], capacity=5).attention_view()
+    for m in (None, 1, 513, slot_boundary.DEFAULT_MIN_SLOTS):
+        theirs = to_megatron(params.replace(short_docs_min_slots=m))
+        assert isinstance(theirs, megatron_cls)
+        assert from_megatron(theirs).short_docs_min_slots == m
+    assert from_megatron(megatron_cls(qkv_format="thd", cu_seqlens_q=params.cu_seqlens_q,
+                                      cu_seqlens_kv=params.cu_seqlens_kv, max_seqlen_q=5, max_seqlen_kv=5)
+                         ).short_docs_min_slots == slot_boundary.DEFAULT_MIN_SLOTS  # fmt: skip
+
+
 def test_megatron_params_are_registered_with_the_engine(megatron_cls):
     from packgraph.params import params_type_of
 

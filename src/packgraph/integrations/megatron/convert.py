@@ -30,15 +30,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from packgraph import slot_boundary
 from packgraph.params import PackedSeqParams, PackedSeqParamsError, whole_lengths
 
 __all__ = ["from_megatron", "megatron_packed_seq_params_class", "megatron_rl_bin_params", "to_megatron"]
 
-_PACKGRAPH_FIELDS = tuple(f.name for f in dataclasses.fields(PackedSeqParams) if f.name != "host_offsets")
+# Not Megatron fields: carried across a conversion as attributes of Megatron's object (below).
+_NOT_MEGATRON = ("host_offsets", "short_docs_min_slots")
+_PACKGRAPH_FIELDS = tuple(f.name for f in dataclasses.fields(PackedSeqParams) if f.name not in _NOT_MEGATRON)
 _INT_FIELDS = ("max_seqlen_q", "max_seqlen_kv", "local_cp_size", "total_tokens")
 _MAMBA_FIELDS = ("total_tokens", "seq_idx")
 # Attribute (not a dataclass field) that to_megatron sets on a Megatron object: (host_offsets, {field: tensor}).
 _HOST_OFFSETS_ATTR = "_packgraph_host_offsets"
+# The short_docs switch of the params a Megatron object was made from (absent: the default), so that a round trip
+# through Megatron's class keeps the kernel choice its signature records.
+_SHORT_DOCS_ATTR = "_packgraph_short_docs_min_slots"
 
 
 def megatron_packed_seq_params_class() -> type:
@@ -83,7 +89,11 @@ def from_megatron(obj: Any, *, validate: bool = True) -> PackedSeqParams:
             raise PackedSeqParamsError(
                 f.name, "unknown to packgraph", f"value {value!r} would be lost in the conversion; clear it first"
             )
-    params = PackedSeqParams(**values, host_offsets=_carried_host_offsets(obj))
+    params = PackedSeqParams(
+        **values,
+        host_offsets=_carried_host_offsets(obj),
+        short_docs_min_slots=getattr(obj, _SHORT_DOCS_ATTR, slot_boundary.DEFAULT_MIN_SLOTS),
+    )
     return params.validate() if validate else params
 
 
@@ -124,6 +134,8 @@ def to_megatron(params: PackedSeqParams) -> Any:
     host = params.current_host_offsets()
     if host is not None:
         object.__setattr__(obj, _HOST_OFFSETS_ATTR, (host, {name: getattr(params, name) for name in host}))
+    if params.short_docs_min_slots != slot_boundary.DEFAULT_MIN_SLOTS:
+        object.__setattr__(obj, _SHORT_DOCS_ATTR, params.short_docs_min_slots)
     return obj
 
 
