@@ -143,6 +143,21 @@ def packgraph_attention(
         ValueError / PackedSeqParamsError: batch size above 1, a mask, missing metadata, or tensor max lengths.
         NotImplementedError: dropout.
     """
+    return _packed_attention("flash", module, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def _packed_attention(
+    backend: str,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> tuple[Tensor, None]:
+    """:func:`packgraph_attention`'s body, on ``varlen_attention``'s ``backend``."""
     if query.shape[0] != 1:
         raise ValueError(
             f"attn_implementation='packgraph' runs packed batches of batch size 1 ([1, T] inputs), got batch size "
@@ -176,7 +191,6 @@ def packgraph_attention(
         options["softcap"] = float(kwargs["softcap"])
     if kwargs.get("s_aux") is not None:
         options["sinks"] = kwargs["s_aux"]
-    backend = kwargs.get("backend", "flash")
     out = varlen_attention(q, k, v, params, causal=is_causal, softmax_scale=scaling, backend=backend, **options)
     return out.unsqueeze(0), None
 
@@ -193,8 +207,7 @@ def packgraph_doc_mask_attention(
 ) -> tuple[Tensor, None]:
     """:func:`packgraph_attention` on ``varlen_attention``'s ``"doc_mask"`` backend (``attn_implementation=
     "packgraph_doc_mask"``): same arguments, windows and softcapping; attention sinks are refused by name."""
-    kwargs["backend"] = "doc_mask"
-    return packgraph_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    return _packed_attention("doc_mask", module, query, key, value, attention_mask, scaling, dropout, kwargs)
 
 
 def attention_window(
