@@ -133,6 +133,32 @@ def test_a_graphed_gpt_on_the_doc_mask_backend_needs_one_graph_per_layer(scope, 
     assert graphed.num_graph_sets == 1
 
 
+@pytest.mark.parametrize("pad", [1, 8])
+def test_no_host_sync(pad):
+    """After the first call of a shape (which compiles), forward and backward through ``varlen_attention(backend=
+    "doc_mask")`` make no synchronizing CUDA call, windows and softcapping included (torch's sync debug mode)."""
+    from packgraph.ops import varlen_attention
+
+    params = make_params(packings(1, seed=3, pad=pad)[0], pad)  # host-to-device copies here, before the mode
+    q, k, v = (randn(T, h, D, requires_grad=True) for h in (HQ, HKV, HKV))
+    weight = bf16_weight(T, HQ, D)
+
+    def step():
+        out = varlen_attention(q, k, v, params, backend="doc_mask", window=(63, 0), softcap=20.0)
+        (out.float() * weight).sum().backward()
+
+    step()  # compiles
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_benchmark_shapes_compile_once_and_match_flash(head_dim, report):
     """The shapes of ``packgraph bench --backends`` (16 query heads over 8, T = 4096 and 8192), forward under
