@@ -144,6 +144,8 @@ def test_the_backend_refuses_what_it_cannot_run_by_name():
     q, k, v, params = _case("plain", 4, 2)
     with pytest.raises(ValueError, match="backend must be one of"):
         varlen_attention(q, k, v, params, backend="cudnn")
+    with pytest.raises(ValueError, match="choose_attention_backend"):
+        varlen_attention(q, k, v, params, backend="auto")
     with pytest.raises(NotImplementedError, match="no attention sinks; use backend='flash'"):
         varlen_attention(q, k, v, params, backend="doc_mask", sinks=torch.zeros(4, dtype=q.dtype))
     separate = params.replace(cu_seqlens_kv=params.cu_seqlens_q.clone())  # equal values, another tensor

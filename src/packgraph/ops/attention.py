@@ -715,7 +715,9 @@ def varlen_attention(
             call per shape). Its launch depends on ``T`` only, not on ``max_seqlen`` or the slot count, so one graph
             serves every packing (:func:`~packgraph.buckets.document_mask_buckets`). Self-attention only (``k``'s
             offsets the same tensors as ``q``'s), with ``window`` and ``softcap``; no ``sinks``. On the CPU it runs
-            forward passes only (torch's FlexAttention has no CPU backward).
+            forward passes only (torch's FlexAttention has no CPU backward). The faster of the two for a layer
+            shape is measured before capture by :func:`packgraph.choose_attention_backend` (``"auto"`` is refused
+            here, naming it).
 
     Raises:
         ValueError: bad shapes/dtypes/devices or options (``PackedSeqParamsError`` for the params).
@@ -726,6 +728,13 @@ def varlen_attention(
     causal, window, softcap = _check_options(q, causal, window, softcap, sinks)
     if backend == "doc_mask":
         return _document_mask(q, k, v, packed_seq_params, causal, softmax_scale, window, softcap, sinks)
+    if backend == "auto":
+        # A measurement cannot run inside a call that may be under capture, and the backend decides the buckets.
+        raise ValueError(
+            "varlen_attention: backend='auto' is chosen once, before capturing, with its bucket policy: "
+            "packgraph.choose_attention_backend(T, heads, kv_heads, head_dim, device=...) returns the backend to "
+            "pass here (TrainConfig(attention_backend='auto') does it for packgraph train)"
+        )
     if backend != "flash":
         raise ValueError(f"varlen_attention: backend must be one of {BACKENDS}, got {backend!r}")
     if _flash_eligible(q) and softcap is None and sinks is None and _flash_takes_window(window, packed_seq_params):
