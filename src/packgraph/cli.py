@@ -399,7 +399,8 @@ def _load_model(args: argparse.Namespace, device, attention_backend: str = "flas
         except (FileNotFoundError, ValueError) as e:
             raise CLIError(str(e)) from None
         try:
-            model = GPT(GPTConfig(**ckpt["model_config"]))
+            # The attention backend is no weight: the checkpoint's model runs on the one asked for.
+            model = GPT(GPTConfig(**{**ckpt["model_config"], "attention_backend": attention_backend}))
         except Exception as e:  # a foreign file that happens to have the keys
             raise CLIError(f"{path} is not a packgraph checkpoint ({type(e).__name__}: {e})") from None
         try:
@@ -411,10 +412,6 @@ def _load_model(args: argparse.Namespace, device, attention_backend: str = "flas
         preset = saved.get("preset") if isinstance(saved, dict) else None
         if args.preset and preset and args.preset != preset:
             raise CLIError(f"--preset {args.preset} does not match the checkpoint's model")
-        if model.cfg.attention_backend != attention_backend:
-            # The attention backend is no weight: the checkpoint's model runs on the one asked for.
-            model = GPT(dataclasses.replace(model.cfg, attention_backend=attention_backend))
-            model.load_state_dict(ckpt["model"])
         return model.to(device), str(path)
     torch.manual_seed(args.seed)
     return GPT(GPTConfig.preset(args.preset or "tiny", attention_backend=attention_backend)).to(device), None
