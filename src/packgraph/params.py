@@ -270,7 +270,7 @@ def _check_offset_tensors(params: PackedSeqParams, capacity: int | None) -> None
 
 def _check_static_ints(params: PackedSeqParams) -> None:
     m = params.short_docs_min_slots
-    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+    if not slot_boundary.is_min_slots(m):
         raise PackedSeqParamsError("short_docs_min_slots", "must be a slot count (an int >= 1) or None", f"got {m!r}")
     for name in ("max_seqlen_q", "max_seqlen_kv", "total_tokens", "local_cp_size"):
         v = getattr(params, name)

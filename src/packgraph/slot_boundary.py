@@ -27,6 +27,7 @@ from typing import Any
 __all__ = [
     "DEFAULT_MIN_SLOTS",
     "check_min_slots",
+    "is_min_slots",
     "short_docs_for",
     "with_boundary_rung",
     "bucket_slots",
@@ -60,9 +61,14 @@ DEFAULT_MIN_SLOTS: int | None = _from_environment()
 :data:`DEFAULT` unless the environment said otherwise at import. Read once; change the fields, not this."""
 
 
+def is_min_slots(m: Any) -> bool:
+    """Whether ``m`` can be the switch: None (never) or an int >= 1."""
+    return m is None or (isinstance(m, int) and not isinstance(m, bool) and m >= 1)
+
+
 def check_min_slots(m: Any, where: str) -> None:
-    """Raise ValueError unless ``m`` is None or an int >= 1 (``where`` names the field in the message)."""
-    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+    """Raise ValueError unless :func:`is_min_slots` (``where`` names the field in the message)."""
+    if not is_min_slots(m):
         raise ValueError(f"{where} must be a number of slots (an int >= 1) or None (never), got {m!r}")
 
 
