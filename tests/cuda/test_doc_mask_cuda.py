@@ -40,11 +40,12 @@ NAMES = ("out", "dq", "dk", "dv")
 
 
 def _errors(got, want, where: str) -> list[tuple[float, str]]:
-    """``(relative error, label)`` per tensor; a NaN counts as infinite (``max`` would pass it over). Against an
-    all-zero reference (a packing with no document) the error is absolute: what should be exact zeros is not."""
+    """``(relative error, label)`` per tensor; a NaN counts as infinite (``max`` would pass it over). Against a
+    zero reference the error is absolute: a packing with no document, or one of one-token documents, whose ``dq``
+    and ``dk`` are zeros (the float64 reference leaves ~1e-15 of rounding there, the bf16 kernels their own noise)."""
     out = []
-    for name, g, w in zip(NAMES, got, want, strict=True):
-        err = rel_err(g, w) if w.abs().max() > 0 else g.detach().double().abs().max().item()
+    for name, g, w in zip(NAMES[: len(got)], got, want, strict=True):
+        err = rel_err(g, w) if w.abs().max() > 1e-10 else g.detach().double().abs().max().item()
         out.append((float("inf") if err != err else err, f"{where} {name}"))
     return out
 
@@ -159,18 +160,41 @@ def test_no_host_sync(pad):
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
 
 
+def _float64_on_gpu(q, k, v, params, weight):
+    """Output and grads of ``(out.float() * weight).sum()`` by the reference attention in float64 on the GPU, one kv
+    head (and its query heads) at a time: the reference holds O(heads * T^2) scores."""
+    from packgraph.ops import varlen_attention_reference
+
+    group = q.shape[1] // k.shape[1]
+    outs, grads = [], []
+    for head in range(k.shape[1]):
+        queries = slice(head * group, (head + 1) * group)
+        leaves = [
+            x.detach().double().requires_grad_() for x in (q[:, queries], k[:, head : head + 1], v[:, head : head + 1])
+        ]
+        out = varlen_attention_reference(*leaves, params)
+        grads.append(torch.autograd.grad((out * weight[:, queries].double()).sum(), leaves))
+        outs.append(out.detach())
+    dq = torch.cat([g[0] for g in grads], dim=1)
+    dk, dv = (torch.cat([g[i] for g in grads], dim=1) for i in (1, 2))
+    return torch.cat(outs, dim=1), (dq, dk, dv)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_benchmark_shapes_compile_once_and_match_flash(head_dim, report):
+def test_benchmark_shapes_compile_once_and_match_float64(head_dim, report):
     """The shapes of ``packgraph bench --backends`` (16 query heads over 8, T = 4096 and 8192), forward under
-    ``no_grad`` and forward+backward, through ``varlen_attention(backend="doc_mask")``, against the FA2 backend on
-    the same bf16 inputs. On torch 2.11 compiling the whole call failed there ("convert FlexibleLayout to
-    FixedLayout first"). Over the packings of one T nothing compiles again after the first."""
+    ``no_grad`` and forward+backward, through ``varlen_attention`` on both backends, against the float64 reference
+    on the same bf16 inputs. On torch 2.11 compiling the whole call failed there ("convert FlexibleLayout to
+    FixedLayout first"). Over the packings of one T nothing compiles again after the first.
+
+    Against float64, not against each other: in the tour's packing of 513 one-token documents the true ``dq`` and
+    ``dk`` are exact zeros, and both kernels return rounding noise there, which differs by 10% between them."""
     from packgraph.bench.data import batch_stream
     from packgraph.buckets import default_buckets, document_mask_buckets
     from packgraph.ops import varlen_attention
     from packgraph.params import PackedSeqParams
 
-    errors = []
+    errors = {"doc_mask": [], "flash": []}
     for total in (4096, 8192):
         gen = torch.Generator(device="cuda").manual_seed(total)
         q, k, v = (
@@ -182,7 +206,8 @@ def test_benchmark_shapes_compile_once_and_match_flash(head_dim, report):
             for index, batch in enumerate(batch_stream(mix, total, 2, seed=7)):
                 lengths = list(batch.doc_lengths)
                 raw = PackedSeqParams.from_seqlens(lengths, total_tokens=total, max_seqlen=total, device="cuda")
-                outs = {}
+                want_out, want_grads = _float64_on_gpu(q, k, v, raw, weight)
+                where = f"T={total} {mix} #{index} ({len(lengths)} docs)"
                 for backend, policy in (("doc_mask", document_mask_buckets), ("flash", default_buckets)):
                     params = policy(total).apply(raw)
                     with torch.no_grad():
@@ -190,16 +215,16 @@ def test_benchmark_shapes_compile_once_and_match_flash(head_dim, report):
                     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
                     out = varlen_attention(*leaves, params, backend=backend)
                     grads = torch.autograd.grad((out.float() * weight).sum(), leaves)
-                    outs[backend] = (forward, out.detach(), *grads)
                     if backend == "doc_mask" and compiles is None:
                         compiles = counters["stats"]["unique_graphs"]  # after the first packing's compiles
-                where = f"T={total} {mix} #{index} ({len(lengths)} docs)"
-                errors += _errors(outs["doc_mask"][1:], outs["flash"][1:], where)
-                errors += [(rel_err(outs["doc_mask"][0], outs["flash"][0]), f"{where} no_grad out")]
+                    errors[backend] += _errors((out, *grads), (want_out, *want_grads), where)
+                    errors[backend] += _errors((forward,), (want_out,), f"{where} no_grad")
         assert counters["stats"]["unique_graphs"] == compiles, f"T={total}: a later packing compiled again"
-    worst, where = max(errors)
-    report(f"doc_mask vs flash, bench shapes D={head_dim}: worst rel err ({where})", f"{worst:.2e}")
-    assert worst <= TOL, sorted(errors, reverse=True)[:6]
+    for backend, errs in errors.items():
+        worst, where = max(errs)
+        report(f"{backend} vs float64, bench shapes D={head_dim}: worst err ({where})", f"{worst:.2e}")
+    for backend, errs in errors.items():
+        assert max(errs)[0] <= TOL, (backend, sorted(errs, reverse=True)[:6])
 
 
 def test_choose_attention_backend_measures_both_and_returns_the_policy_of_its_choice(report, tmp_path):
