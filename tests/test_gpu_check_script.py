@@ -56,6 +56,13 @@ def test_shards_add_up_into_one_closing_table(tmp_path):
     assert "tree abc (2 shards)" in proc.stdout
     assert "packages       : megatron-core 0.19.2" in proc.stdout
     assert "figure of 1/2" in proc.stdout and "figure of 2/2" in proc.stdout
+    assert proc.stdout.rstrip().endswith("verdict        : FAIL (1 failed)")
+
+
+def test_the_verdict_is_pass_only_with_no_failure_and_every_package(tmp_path):
+    proc = _summary(_shard(tmp_path, tests=5, skipped=1))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip().endswith("verdict        : pass")
 
 
 @pytest.mark.parametrize(
@@ -112,3 +119,34 @@ def test_the_table_names_an_optional_package_missing_on_the_device(tmp_path):
     proc = _summary(_shard(tmp_path, tests=5, skipped=2, packages={"megatron-core": None, "trl": "1.16.0"}))
     assert proc.returncode == 0, proc.stderr
     assert "packages       : megatron-core MISSING, trl 1.16.0" in proc.stdout
+    assert "verdict        : INCOMPLETE (megatron-core missing, so their test files did not run" in proc.stdout
+
+
+def _wheel(folder: Path, name: str, version: str) -> None:
+    """A minimal pure-Python wheel: one module and its dist-info."""
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(f"{name}.py", "VALUE = 1\n")
+        wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        wheel.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        wheel.writestr(f"{info}/RECORD", "")
+
+
+@pytest.mark.parametrize("versions,expect", [(["1.0"], "installed 1 wheels from .whl/"), (["1.0", "2.0"], "failed")])
+def test_a_run_installs_the_wheels_of_dot_whl_before_the_tests(tmp_path, versions, expect):
+    """A device run that forgot its carried wheels skipped three test files: gpu-check installs .whl/ itself, and
+    stops when pip refuses the set (two versions of one package)."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "gpu-check").write_text(SCRIPT.read_text())
+    (tmp_path / ".whl").mkdir()
+    for version in versions:
+        _wheel(tmp_path / ".whl", "pgwheelprobe", version)
+    proc = subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "gpu-check"), "--tests"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert expect in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode != 0  # no CUDA here (or the failed install)
