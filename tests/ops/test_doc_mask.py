@@ -108,6 +108,27 @@ def test_compiled_equals_eager_and_compiles_once_for_every_packing():
     assert counters["stats"]["unique_graphs"] == compiles
 
 
+def test_kernel_options_reach_flex_attention_and_autotune_gives_the_same_values(monkeypatch):
+    """``kernel_options`` are FlexAttention's own (tiles, warps): passed through untouched, and compiled with them,
+    or with ``autotune``, the values are eager's (only the kernel's schedule changes)."""
+    import torch.nn.attention.flex_attention as flex
+
+    q, k, v, params = _case("padded", 4, 2)
+    q, k, v = (x.float() for x in (q, k, v))  # Inductor's CPU template takes no float64
+    options = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}
+    seen, real = [], flex.flex_attention
+    monkeypatch.setattr(flex, "flex_attention", lambda *a, **kw: seen.append(kw["kernel_options"]) or real(*a, **kw))
+    with torch.no_grad():
+        want = doc_mask_attention(q, k, v, params)
+        doc_mask_attention(q, k, v, params, kernel_options=options)
+    assert seen == [None, options]
+    monkeypatch.setattr(flex, "flex_attention", real)
+    with torch.no_grad():
+        for extra in (dict(kernel_options=options), dict(autotune=True)):
+            got = doc_mask_attention(q, k, v, params, compiled=True, **extra)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(extra))
+
+
 def test_refuses_cross_attention_by_name():
     q, k, v, params = _case("plain", 4, 2)
     with pytest.raises(ValueError, match="use varlen_attention"):

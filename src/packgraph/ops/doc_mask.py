@@ -24,7 +24,7 @@ FlashAttention is not measured yet (issue #36).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -100,6 +100,8 @@ def doc_mask_attention(
     softcap: float | None = None,
     compiled: bool = False,
     mask: tuple[Any, Tensor] | None = None,
+    kernel_options: Mapping[str, int | bool] | None = None,
+    autotune: bool = False,
 ) -> Tensor:
     """Self-attention of packed documents, ``[T, Hq, D]`` x ``[T, Hkv, D]`` -> ``[T, Hq, D]``, by FlexAttention.
 
@@ -108,7 +110,10 @@ def doc_mask_attention(
     runs the block mask's build and the attention under torch.compile, each compiled once per shape, dtype, option
     set and grad mode at its first call (:func:`compile_static`): FlexAttention fuses its kernel only compiled.
     ``mask``: the ``(block_mask, live)`` of :func:`document_block_mask` for these params, ``causal`` and ``window``,
-    built ahead; by default it is built here.
+    built ahead; by default it is built here. ``kernel_options``: FlexAttention's (``fwd_BLOCK_M``,
+    ``bwd_num_warps``, ...), which fix the kernel's tiles instead of Inductor's default for the GPU, dtype and head
+    size. ``autotune`` compiles the attention with ``mode="max-autotune-no-cudagraphs"``: Inductor times its
+    candidate tiles at the first call of each shape and keeps the fastest (a longer first call).
 
     Raises:
         ValueError: ``q`` and ``k`` of different row counts (cross-attention: use ``varlen_attention``), or not
@@ -124,12 +129,20 @@ def doc_mask_attention(
             packed_seq_params, q.shape[0], q.device, causal=causal, window=window, compiled=compiled
         )
     block_mask, live = mask
-    attend = _compiled("attend") if compiled else _attend
-    return attend(q, k, v, live, block_mask, softmax_scale, softcap)
+    attend = _compiled("attend-autotune" if autotune else "attend") if compiled else _attend
+    options = None if kernel_options is None else dict(kernel_options)
+    return attend(q, k, v, live, block_mask, softmax_scale, softcap, options)
 
 
 def _attend(
-    q: Tensor, k: Tensor, v: Tensor, live: Tensor, block_mask: Any, scale: float | None, softcap: float | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    live: Tensor,
+    block_mask: Any,
+    scale: float | None,
+    softcap: float | None,
+    kernel_options: dict[str, int | bool] | None = None,
 ) -> Tensor:
     """FlexAttention over ``[T, H, D]`` rows under ``block_mask``, with rows of no document zeroed in and out."""
     from torch.nn.attention.flex_attention import flex_attention
@@ -153,7 +166,14 @@ def _attend(
             return softcap * torch.tanh(score / softcap)
 
     out = flex_attention(
-        q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        kernel_options=kernel_options,
     )
     out = out[0].transpose(0, 1)
     # A row with no key (dead, or a ghost's) is defined as zeros, whatever the kernel leaves there.
@@ -165,17 +185,20 @@ def _compiled(name: str) -> Callable[..., Any]:
     """One compiled callable per process for each piece (the caches of torch.compile are per callable)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    if name == "attend-autotune":
+        return compile_static(_attend, mode="max-autotune-no-cudagraphs")
     return compile_static({"create_block_mask": create_block_mask, "attend": _attend}[name])
 
 
-def compile_static(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """``fn`` under ``torch.compile(dynamic=False)``: each shape, dtype and grad mode compiles once, at its first call.
+def compile_static(fn: Callable[..., Tensor], mode: str | None = None) -> Callable[..., Tensor]:
+    """``fn`` under ``torch.compile(dynamic=False, mode=mode)``: each shape, dtype, option set and grad mode compiles
+    once, at its first call.
 
     FlexAttention fuses its kernel only compiled; eagerly it materialises every score. Past dynamo's recompile
     limit (8 by default) a call would silently run that unfused eager path: the limit is raised to 64 within the
     calls, and a hit raises instead.
     """
-    compiled = torch.compile(fn, dynamic=False)
+    compiled = torch.compile(fn, dynamic=False, mode=mode)
     config = torch._dynamo.config
     names = getattr(config, "_config", {})
     limits: dict[str, Any] = {name: 64 for name in ("recompile_limit", "cache_size_limit") if name in names}
