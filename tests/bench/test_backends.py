@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from packgraph.bench.backends import causal_flops
+from packgraph.bench.backends import FLEX_TILES, causal_flops
 from packgraph.bench.run import main
 
 
@@ -42,5 +42,23 @@ def test_the_cli_measures_every_backend_or_names_why_not(tmp_path):
     ]
     assert all(r["fwdbwd_ms"] > 0 for r in flash)
     assert [r["axis"] for r in sweep if r["backend"] == "doc_mask"] == ["none"]
+    tiles = doc["tiles"]  # at the largest T (none >= 8192): flash, then each tile choice, per mix
+    assert [(r["mix"], r["backend"], r["tiles"]) for r in tiles] == [
+        (mix, backend, name)
+        for mix in ("corpus", "long", "short")
+        for backend, name in [("flash", "-"), *(("doc_mask-kernel", name) for name in FLEX_TILES)]
+    ]
+    for r in tiles:
+        assert r["fwd_ms"] > 0 and r["T"] == 64 and r["head_dim"] == 16
+        assert r["fwdbwd_ms"] > 0 if r["backend"] == "flash" else "backward on CPU" in r["error"]
     table = (tmp_path / "backends.md").read_text()
-    assert table.count("\n") == 2 + len(rows) + 3 + 2 + len(sweep) and "doc_mask-kernel" in table
+    assert table.count("\n") == 2 + len(rows) + 3 + 2 + len(sweep) + 3 + 2 + len(tiles)
+    assert "doc_mask-kernel" in table and "fwd 128x64 w8 s3" in table
+
+
+def test_the_cli_takes_the_packing_count_and_skips_the_tile_study(tmp_path):
+    code = main(["--backends", "--device", "cpu", "--T", "64", "--mixes", "short", "--head-dims", "16",
+                 "--packings", "1", "--no-tiles", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    doc = json.loads((tmp_path / "backends.json").read_text())
+    assert {r["packing"] for r in doc["rows"]} == {0} and len(doc["rows"]) == 5 and doc["tiles"] == []

@@ -20,6 +20,9 @@ of the backend's first forward+backward call on that packing, before any timing:
 so every backend is scored on the same useful work.
 
 :func:`wrapper_kernels` lists, kernel by kernel, what ``flash`` launches beyond ``fa2-op`` on one packing.
+:func:`flex_tiles` times the document mask's kernel under several FlexAttention tile choices and under Inductor's
+autotuning, against ``flash``: Inductor's default tiles for bf16 at head size 64 on the H200 made the forward
+slower than the forward+backward at head size 128.
 :func:`declared_size_sweep` holds one packing fixed and grows what a graph declares instead: ``max_seqlen`` from
 the longest document to ``T``, and the slot capacity from the document count to 512. FlashAttention's launch grid
 grows with both; the document mask declares neither.
@@ -41,7 +44,16 @@ from packgraph.ops.attention import _torch_varlen_api
 from packgraph.ops.doc_mask import doc_mask_attention, document_block_mask
 from packgraph.params import PackedSeqParams
 
-__all__ = ["BACKENDS", "backend_benchmark", "causal_flops", "declared_size_sweep", "wrapper_kernels"]
+__all__ = [
+    "BACKENDS",
+    "FLEX_TILES",
+    "backend_benchmark",
+    "causal_flops",
+    "declared_size_sweep",
+    "flex_tiles",
+    "tiles_markdown",
+    "wrapper_kernels",
+]
 
 BACKENDS: tuple[str, ...] = ("flash", "fa2-op", "fa2-op-exact", "doc_mask", "doc_mask-kernel")
 BACKWARD_FLOPS = 2.5  # backward flops per forward flop, FlashAttention's convention
@@ -101,18 +113,25 @@ def _bare_fa2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: PackedS
 
 
 def _flex_kernel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: PackedSeqParams
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: PackedSeqParams, **options: Any
 ) -> Callable[[], torch.Tensor]:
-    """The document mask's attention on a block mask built now, once (compiled on CUDA, as the backend runs it)."""
+    """The document mask's attention on a block mask built now, once (compiled on CUDA, as the backend runs it);
+    ``options``: ``kernel_options`` or ``autotune`` of :func:`~packgraph.ops.doc_mask.doc_mask_attention`."""
     mask = document_block_mask(params, q.shape[0], q.device, compiled=q.is_cuda)
-    return lambda: doc_mask_attention(q, k, v, params, compiled=q.is_cuda, mask=mask)
+    return lambda: doc_mask_attention(q, k, v, params, compiled=q.is_cuda, mask=mask, **options)
 
 
 def _times(
     backend: str, qkv: tuple[torch.Tensor, ...], grad_out: torch.Tensor, lengths: list[int], T: int, reps: int
 ) -> dict[str, Any]:
     """``fwd_ms`` and ``fwdbwd_ms`` of one backend on one packing; the forward's stays if the backward fails."""
-    attend = _runner(backend, *qkv, lengths, T)
+    return _times_of(_runner(backend, *qkv, lengths, T), qkv, grad_out, reps)
+
+
+def _times_of(
+    attend: Callable[[], torch.Tensor], qkv: tuple[torch.Tensor, ...], grad_out: torch.Tensor, reps: int
+) -> dict[str, Any]:
+    """``first_s``, ``fwd_ms`` and ``fwdbwd_ms`` of ``attend``; the forward's stays if the backward fails."""
     times: dict[str, Any] = {}
     try:
         times["first_s"] = _first_call_s(lambda: torch.autograd.grad(attend(), qkv, grad_out), qkv[0].device)
@@ -256,6 +275,86 @@ def declared_size_sweep(
         if on_row is not None:
             on_row(row)
     return rows
+
+
+def _tiles(m: int, n: int, warps: int, stages: int) -> dict[str, int]:
+    return {"fwd_BLOCK_M": m, "fwd_BLOCK_N": n, "fwd_num_warps": warps, "fwd_num_stages": stages}
+
+
+FLEX_TILES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "fwd 128x64 w4 s3": {"kernel_options": _tiles(128, 64, 4, 3)},
+    "fwd 128x64 w8 s3": {"kernel_options": _tiles(128, 64, 8, 3)},
+    "fwd 64x64 w4 s3": {"kernel_options": _tiles(64, 64, 4, 3)},
+    "fwd 128x128 w8 s2": {"kernel_options": _tiles(128, 128, 8, 2)},
+    "autotune": {"autotune": True},
+}
+"""The document mask's kernel choices :func:`flex_tiles` times: Inductor's default for the GPU, dtype and head size;
+fixed forward tiles (``BLOCK_M`` queries x ``BLOCK_N`` keys, warps, pipeline stages; the backward keeps its
+default); and ``mode="max-autotune-no-cudagraphs"``, which times Inductor's candidates at the first call."""
+
+
+def flex_tiles(
+    T: int,
+    head_dims: Sequence[int],
+    *,
+    mixes: Sequence[str] = ("corpus", "long", "short"),
+    heads: int = 16,
+    kv_heads: int = 8,
+    reps: int = 10,
+    seed: int = 0,
+    device: torch.device | str = "cuda",
+    tiles: dict[str, dict[str, Any]] = FLEX_TILES,
+    out_of_time: Callable[[], bool] = lambda: False,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One packing per mix at ``T``: ``fwd_ms``, ``fwdbwd_ms`` and ``first_s`` of ``doc_mask-kernel`` under each
+    choice of ``tiles``, and of ``flash`` (``tiles="-"``) on the same packing, per head size. ``first_s`` of a new
+    choice includes its compilation (the autotuning's too), at the first mix of each head size."""
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rows: list[dict[str, Any]] = []
+    for head_dim in head_dims:
+        q, k, v = qkv = _leaves(T, heads, kv_heads, head_dim, device, dtype, gen)
+        grad_out = torch.ones_like(q)
+        for mix in mixes:
+            (batch,) = batch_stream(mix, T, 1, seed=seed + 7)
+            lengths = list(batch.doc_lengths)
+            raw = PackedSeqParams.from_seqlens(lengths, total_tokens=T, max_seqlen=T, device=device)
+            cases = [("-", "flash", None)] + [(name, "doc_mask-kernel", options) for name, options in tiles.items()]
+            for name, backend, options in cases:
+                if out_of_time():
+                    return rows
+                row: dict[str, Any] = dict(
+                    T=T, mix=mix, head_dim=head_dim, docs=len(lengths), longest=max(lengths), backend=backend,
+                    tiles=name,
+                )  # fmt: skip
+                try:
+                    if options is None:
+                        attend = _runner("flash", q, k, v, lengths, T)
+                    else:
+                        attend = _flex_kernel(q, k, v, document_mask_buckets(T).apply(raw), **options)
+                    row.update(_times_of(attend, qkv, grad_out, reps))
+                except (RuntimeError, NotImplementedError) as exc:
+                    row["error"] = error_line(exc)
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+    return rows
+
+
+def tiles_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The tile study as a Markdown table."""
+    lines = [
+        "| T | mix | D | docs | longest | backend | tiles | fwd ms | fwd+bwd ms | first s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [r["T"], r["mix"], r["head_dim"], r["docs"], r["longest"], r["backend"], r["tiles"]]
+        cells += [_fmt(r.get("fwd_ms")), r.get("error") or _fmt(r.get("fwdbwd_ms")), _fmt(r.get("first_s"))]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def wrapper_kernels(

@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--no-attention", action="store_true", help="skip the attention micro-benchmark")
     p.add_argument("--attention-T", type=_csv(int), help="T values of the attention sweep")
     p.add_argument("--head-dims", type=_csv(int), help="head sizes of --backends (default 64,128)")
+    p.add_argument("--packings", type=int, default=2, help="packings per (T, mix) of --backends (default 2)")
+    p.add_argument(
+        "--no-tiles",
+        action="store_true",
+        help="skip --backends' FlexAttention tile study (run at the first T >= 8192, else the largest)",
+    )
     p.add_argument(
         "--ladder",
         choices=LADDERS,

@@ -348,16 +348,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
-    """``packgraph bench --backends``: writes backends.json (with the machine) and backends.md under --out: the
-    backends side by side, then the declared-size sweep at each T (corpus mix, the largest head size)."""
+    """``packgraph bench --backends``: writes backends.json (with the machine) and backends.md under --out: the FA2
+    wrapper's kernels, the FlexAttention tile study, the declared-size sweep at each T (corpus mix, the largest head
+    size), then the backends side by side."""
     from packgraph.bench.backends import (
         BACKENDS,
+        FLEX_TILES,
         backend_benchmark,
         backends_markdown,
         declared_size_sweep,
         error_line,
+        flex_tiles,
         kernels_markdown,
         sweep_markdown,
+        tiles_markdown,
         wrapper_kernels,
     )
     from packgraph.bench.data import MIXES
@@ -366,13 +370,21 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
     mixes, head_dims = args.mixes or list(MIXES), args.head_dims or [64, 128]
     out = args.out or default_out_dir(device, dry_run=False)
     out.mkdir(parents=True, exist_ok=True)
-    packings = 2
+    packings = args.packings
+    tiles_T = None if args.no_tiles else next((T for T in T_values if T >= 8192), max(T_values))
+    tile_rows = 0 if tiles_T is None else len(head_dims) * 3 * (len(FLEX_TILES) + 1)
     progress = _Progress(
-        len(T_values) * (len(mixes) * len(head_dims) * packings * len(BACKENDS) + 1), time_limit_s=args.time_limit_s
+        len(T_values) * (len(mixes) * len(head_dims) * packings * len(BACKENDS) + 1) + tile_rows,
+        time_limit_s=args.time_limit_s,
     )
 
     def on_row(row: dict[str, Any]) -> None:
-        if "axis" not in row:
+        if "tiles" in row:
+            shown = row.get("error") or f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwdbwd_ms']:.3f} ms"
+            where = f"T={row['T']} {row['mix']} D={row['head_dim']} {row['backend']} [{row['tiles']}]"
+            progress.write(f"{where}: {shown}, first {row.get('first_s', 0):.1f} s")
+            progress.advance()
+        elif "axis" not in row:
             shown = row.get("error") or f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwdbwd_ms']:.3f} ms"
             progress.write(f"T={row['T']} {row['mix']} D={row['head_dim']} #{row['packing']} {row['backend']}: {shown}")
             progress.advance()
@@ -388,7 +400,12 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
         except RuntimeError as exc:  # recorded, and the timings still run
             kernels_error = error_line(exc)
             print(f"warning: the wrapper's kernel profile failed ({kernels_error})", file=sys.stderr)
-    try:  # the sweep before the matrix: a time limit cuts the matrix's last rows, not the sweep
+    tiles: list[dict[str, Any]] = []
+    try:  # the studies before the matrix: a time limit cuts the matrix's last rows, not them
+        if tiles_T is not None:
+            tiles = flex_tiles(
+                tiles_T, head_dims, seed=args.seed, device=device, out_of_time=progress.out_of_time, on_row=on_row
+            )
         for T in T_values:
             sweep += declared_size_sweep(
                 T, max(head_dims), seed=args.seed, device=device, out_of_time=progress.out_of_time, on_row=on_row
@@ -406,13 +423,22 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
         )
     finally:
         progress.close()
-    doc = {"machine": machine_info(device), "argv": sys.argv[1:], "rows": rows, "sweep": sweep, "kernels": kernels}
+    doc = {
+        "machine": machine_info(device),
+        "argv": sys.argv[1:],
+        "rows": rows,
+        "sweep": sweep,
+        "kernels": kernels,
+        "tiles": tiles,
+    }
     if kernels_error:
         doc["kernels_error"] = kernels_error
     (out / "backends.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     tables = (
         backends_markdown(rows) + "\nDeclared sizes, one packing each (forward+backward):\n\n" + sweep_markdown(sweep)
     )
+    if tiles:
+        tables += "\nThe document mask's kernel under FlexAttention tile choices:\n\n" + tiles_markdown(tiles)
     if kernels:
         tables += "\nKernels of one forward+backward, FA2 through packgraph and bare:\n\n" + kernels_markdown(kernels)
     (out / "backends.md").write_text(tables)
