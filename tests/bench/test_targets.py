@@ -40,3 +40,37 @@ def test_busy_target_detail_names_the_kernel_classes_that_differ():
         "small T=2048 corpus: busy 4.40 / 4.00 ms = 1.100x eager (attention fwd +0.300, elementwise +0.100, "
         "gemm +0.000 ms)"
     )
+
+
+def _medium(record):
+    return {**record, "model": "medium", "T": 8192}
+
+
+def test_document_mask_targets_count_graph_sets_and_the_medium_ratio_to_compile_ro():
+    from tests.bench.records import record
+
+    docmask_stream = record("packgraph-docmask", 6.0, graphs=1, peak=900.0)
+    eager = record("eager", 20.0, peak=1000.0)
+    medium = [
+        _medium(record("eager", 84.0, peak=10000.0)),
+        _medium(record("packgraph", 83.0, graphs=4, peak=9990.0)),
+        _medium(record("packgraph-docmask", 49.0, graphs=2, peak=8000.0)),  # 49 / 55 = 0.89x; 2 graph sets
+        _medium(record("compile-ro", 55.0, graphs=2)),
+    ]
+    targets = {t["target"]: t for t in bench_targets.check_targets(results_doc([eager, docmask_stream, *medium]))}
+    graphs = targets["document-mask backend: 1 graph set over every varied stream"]
+    assert graphs["met"] is False and "medium T=8192 corpus: 2 over 200 batches" in graphs["detail"]
+    ratio = targets["medium: best packgraph variant <= 0.90x compile reduce-overhead"]
+    assert (
+        ratio["met"] is True and ratio["detail"] == "medium T=8192 corpus: packgraph-docmask 49.00 / 55.00 ms = 0.89x"
+    )
+    peak = targets["packgraph peak allocated <= 1.00x eager, every cell and method"]
+    assert peak["met"] is True and "small T=2048 corpus packgraph-docmask: 900 MiB = 0.9000x" in peak["detail"]
+    medium[2]["step_ms"] = 50.0  # 50 / 55 = 0.91x
+    targets = {t["target"]: t for t in bench_targets.check_targets(results_doc([eager, *medium]))}
+    assert targets["medium: best packgraph variant <= 0.90x compile reduce-overhead"]["met"] is False
+    assert targets["document-mask backend: 1 graph set over every varied stream"]["met"] is False
+    docmask_stream["graphs"] = 1
+    targets = {t["target"]: t for t in bench_targets.check_targets(results_doc([eager, docmask_stream]))}
+    assert targets["document-mask backend: 1 graph set over every varied stream"]["met"] is True
+    assert targets["medium: best packgraph variant <= 0.90x compile reduce-overhead"]["met"] is None

@@ -74,13 +74,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         methods=list(METHODS),
         cells=[
             ["small", 2048, "corpus", [m for m in METHODS if m != "compile-ro-raw"]],
-            # the GPU-bound cell: the compiled whole model captured by packgraph against compile-RO
-            ["medium", 8192, "corpus", ["eager", "packgraph", "packgraph-model+compile", "compile-ro"]],
+            # the GPU-bound cell: the compiled whole model captured by packgraph against compile-RO, and the
+            # document-mask backend (issue #36's goals: its step against compile-RO, its peak against eager's)
+            [
+                "medium",
+                8192,
+                "corpus",
+                ["eager", "packgraph", "packgraph-model+compile", "packgraph-docmask", "compile-ro"],
+            ],
             ["small", 2048, "short", ["eager", "padded", "packgraph", "packgraph-model"]],
             ["small", 2048, "long", ["eager", "padded", "packgraph", "packgraph-model"]],
             ["small", 8192, "corpus", ["eager", "padded", "packgraph"]],
-            # a stream that visits every bucket of the ladder: memory and captures at their worst
-            ["small", 2048, "buckets", ["eager", "packgraph", "packgraph-model"]],
+            # a stream that visits every bucket of the ladder: memory and captures at their worst; the document
+            # mask needs one graph set for all of it
+            ["small", 2048, "buckets", ["eager", "packgraph", "packgraph-model", "packgraph-docmask"]],
         ],
         steps=20,
         warmup=3,

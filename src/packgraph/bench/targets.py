@@ -20,7 +20,7 @@ from typing import Any
 
 from packgraph.bench.report import busy_delta, cell_label, load_results, record_key
 
-GRAPHED = ("packgraph", "packgraph-model", "packgraph+compile", "packgraph-model+compile")
+GRAPHED = ("packgraph", "packgraph-model", "packgraph+compile", "packgraph-model+compile", "packgraph-docmask")
 """The methods that replay packgraph's graphs: the ones the step, graph and memory targets are about."""
 
 Cells = Mapping[tuple, Mapping[str, Mapping[str, Any]]]
@@ -117,6 +117,27 @@ def _versus_compile_ro(by_cell: Cells) -> list[dict[str, Any]]:
     ]
 
 
+def _document_mask(by_cell: Cells) -> list[dict[str, Any]]:
+    """Issue #36's goals: one graph set for every packing on the document-mask backend, and packgraph's best
+    variant at <= 0.90x compile reduce-overhead's step on the medium cell."""
+    graphs, medium = [], []
+    for (model, _, _), m in by_cell.items():
+        docmask = m.get("packgraph-docmask")
+        if docmask and docmask.get("graphs") is not None:
+            detail = f"{cell_label(docmask)}: {docmask['graphs']} over {docmask['graph_batches']} batches"
+            graphs.append((docmask["graphs"] <= 1, detail))
+        ro, graphed = m.get("compile-ro"), [m[k] for k in GRAPHED if k in m]
+        if model == "medium" and ro and graphed:
+            best = min(graphed, key=lambda r: r["step_ms"])
+            ratio = best["step_ms"] / ro["step_ms"]
+            detail = f"{cell_label(ro)}: {best['method']} {best['step_ms']:.2f} / {ro['step_ms']:.2f} ms = {ratio:.2f}x"
+            medium.append((ratio <= 0.90, detail))
+    return [
+        _verdict("document-mask backend: 1 graph set over every varied stream", graphs),
+        _verdict("medium: best packgraph variant <= 0.90x compile reduce-overhead", medium),
+    ]
+
+
 def _memory(by_cell: Cells) -> list[dict[str, Any]]:
     """Peak allocated and peak reserved memory of every graphed method against eager's in the same cell."""
     alloc, reserved = [], []
@@ -174,6 +195,7 @@ def check_targets(results_json: str | Path | Mapping[str, Any]) -> list[dict[str
         _attention(doc),
         *_versus_compile_ro(by_cell),
         *_memory(by_cell),
+        *_document_mask(by_cell),
         _evictions(records),
         _tokens_vs_padded(by_cell),
     ]
