@@ -129,6 +129,41 @@ def test_kernel_options_reach_flex_attention_and_autotune_gives_the_same_values(
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(extra))
 
 
+def test_inside_a_callers_compile_the_graph_breaks_once_and_the_values_are_eager(monkeypatch):
+    """A block or a whole model compiled around the compiled document mask (``packgraph+compile`` on this backend):
+    the caller's graph breaks once, at the mask's own compiled pieces (Inductor fails to lower the rows' documents
+    as intermediates of the mask's build), the values are eager's, and a new packing compiles nothing."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    total = 256
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(total, h, 16, generator=g) for h in (4, 2, 2))
+    w = torch.randn(16, 16, generator=g)
+
+    def block(q, k, v, params, compiled):
+        return doc_mask_attention(q @ w, k, v, params, compiled=compiled, window=(31, 0)).sin()
+
+    packings = [
+        PackedSeqParams.from_seqlens(lengths, capacity=total, total_tokens=total)
+        for lengths in ([100, 50], [30, 30, 30, 10], [256])
+    ]
+    with torch.no_grad():
+        wants = [block(q, k, v, params, False) for params in packings]  # eager FlexAttention traces too: first
+    torch._dynamo.reset()
+    counters.clear()
+    compiled_block = torch.compile(block)
+    graphs = None
+    for params, want in zip(packings, wants, strict=True):
+        with torch.no_grad():
+            got = compiled_block(q, k, v, params, True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        graphs = graphs or counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs == 4  # the block's two halves, the mask's build, attend
+    breaks = list(counters["graph_break"])
+    assert len(breaks) == 1 and "doc_mask_attention" in breaks[0], breaks
+
+
 def test_refuses_cross_attention_by_name():
     q, k, v, params = _case("plain", 4, 2)
     with pytest.raises(ValueError, match="use varlen_attention"):

@@ -11,6 +11,8 @@ the model and what runs it:
 ``packgraph-model``          ``model.graphed(scope="model")``: forward and backward of the whole loss, bucketed
 ``packgraph-docmask``        ``packgraph`` on the document-mask attention backend (FlexAttention, compiled), with
                              ``document_mask_buckets(T)``: one graph set for every batch
+``packgraph-docmask-model+compile``  ``packgraph-model+compile`` on the document-mask backend: the model's graph
+                             breaks at each attention, whose mask build and kernel compile apart
 ``packgraph+compile``        each block ``torch.compile`` d (``mode="default"``, fusion), then captured by packgraph
 ``packgraph-model+compile``  the whole model ``torch.compile`` d (``mode="default"``), captured with scope
                              ``"model"``: compile-RO's fusion (embedding, head and loss too) with packgraph's graphs
@@ -75,12 +77,19 @@ METHODS: tuple[str, ...] = (
 still has the comparisons that matter most."""
 
 DP_METHODS: tuple[str, ...] = ("eager-ddp", "packgraph-ddp", "packgraph-allreduce")
-ALL_METHODS: tuple[str, ...] = (*METHODS, "padded-mask", "packgraph-docmask", *DP_METHODS)
+ALL_METHODS: tuple[str, ...] = (
+    *METHODS,
+    "padded-mask",
+    "packgraph-docmask",
+    "packgraph-docmask-model+compile",
+    *DP_METHODS,
+)
 CUDA_ONLY_METHODS: frozenset[str] = frozenset(
     {
         "packgraph",
         "packgraph-model",
         "packgraph-docmask",
+        "packgraph-docmask-model+compile",
         "packgraph+compile",
         "packgraph-model+compile",
         "compile-ro",
@@ -218,6 +227,12 @@ class GraphedDocMaskMethod(GraphedMethod):
             block.attn.backend = "doc_mask"
         # the default policy's top max_seqlen rung is T: one bucket of T rows and T slots
         super().__init__(model, document_mask_buckets(policy.max_seqlen), device)
+
+
+class GraphedDocMaskModelCompiledMethod(GraphedDocMaskMethod):
+    name = "packgraph-docmask-model+compile"
+    scope = "model"
+    compiles = "model"
 
 
 class GraphedModelMethod(GraphedMethod):
@@ -388,6 +403,7 @@ _REGISTRY: dict[str, type[Method]] = {
         GraphedMethod,
         GraphedModelMethod,
         GraphedDocMaskMethod,
+        GraphedDocMaskModelCompiledMethod,
         GraphedCompiledMethod,
         GraphedModelCompiledMethod,
         CompileMethod,

@@ -75,12 +75,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         cells=[
             ["small", 2048, "corpus", [m for m in METHODS if m != "compile-ro-raw"]],
             # the GPU-bound cell: the compiled whole model captured by packgraph against compile-RO, and the
-            # document-mask backend (issue #36's goals: its step against compile-RO, its peak against eager's)
+            # document-mask backend, alone and compiled (issue #36's goals: its step against compile-RO, its peak
+            # against eager's)
             [
                 "medium",
                 8192,
                 "corpus",
-                ["eager", "packgraph", "packgraph-model+compile", "packgraph-docmask", "compile-ro"],
+                [
+                    "eager",
+                    "packgraph",
+                    "packgraph-model+compile",
+                    "packgraph-docmask",
+                    "packgraph-docmask-model+compile",
+                    "compile-ro",
+                ],
             ],
             ["small", 2048, "short", ["eager", "padded", "packgraph", "packgraph-model"]],
             ["small", 2048, "long", ["eager", "padded", "packgraph", "packgraph-model"]],

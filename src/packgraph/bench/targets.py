@@ -20,7 +20,14 @@ from typing import Any
 
 from packgraph.bench.report import busy_delta, cell_label, load_results, record_key
 
-GRAPHED = ("packgraph", "packgraph-model", "packgraph+compile", "packgraph-model+compile", "packgraph-docmask")
+GRAPHED = (
+    "packgraph",
+    "packgraph-model",
+    "packgraph+compile",
+    "packgraph-model+compile",
+    "packgraph-docmask",
+    "packgraph-docmask-model+compile",
+)
 """The methods that replay packgraph's graphs: the ones the step, graph and memory targets are about."""
 
 Cells = Mapping[tuple, Mapping[str, Mapping[str, Any]]]
@@ -122,10 +129,11 @@ def _document_mask(by_cell: Cells) -> list[dict[str, Any]]:
     variant at <= 0.90x compile reduce-overhead's step on the medium cell."""
     graphs, medium = [], []
     for (model, _, _), m in by_cell.items():
-        docmask = m.get("packgraph-docmask")
-        if docmask and docmask.get("graphs") is not None:
-            detail = f"{cell_label(docmask)}: {docmask['graphs']} over {docmask['graph_batches']} batches"
-            graphs.append((docmask["graphs"] <= 1, detail))
+        for method in ("packgraph-docmask", "packgraph-docmask-model+compile"):
+            docmask = m.get(method)
+            if docmask and docmask.get("graphs") is not None:
+                detail = f"{cell_label(docmask)} {method}: {docmask['graphs']} over {docmask['graph_batches']} batches"
+                graphs.append((docmask["graphs"] <= 1, detail))
         ro, graphed = m.get("compile-ro"), [m[k] for k in GRAPHED if k in m]
         if model == "medium" and ro and graphed:
             best = min(graphed, key=lambda r: r["step_ms"])

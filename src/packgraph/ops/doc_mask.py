@@ -115,6 +115,10 @@ def doc_mask_attention(
     size. ``autotune`` compiles the attention with ``mode="max-autotune-no-cudagraphs"``: Inductor times its
     candidate tiles at the first call of each shape and keeps the fastest (a longer first call).
 
+    Called ``compiled`` inside a caller's torch.compile (a block or a whole model compiled), the caller's graph
+    breaks here and the two pieces run compiled on their own: traced into the caller's graph, the rows' documents
+    would be intermediates of the mask's build, which Inductor fails to lower (above).
+
     Raises:
         ValueError: ``q`` and ``k`` of different row counts (cross-attention: use ``varlen_attention``), or not
             ``[T, H, D]`` with ``Hq % Hkv == 0``.
@@ -124,14 +128,37 @@ def doc_mask_attention(
             f"doc_mask_attention takes self-attention q [T, Hq, D] and k, v [T, Hkv, D] with Hq % Hkv == 0, got "
             f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}; use varlen_attention for other shapes"
         )
-    if mask is None:
-        mask = document_block_mask(
-            packed_seq_params, q.shape[0], q.device, causal=causal, window=window, compiled=compiled
-        )
-    block_mask, live = mask
-    attend = _compiled("attend-autotune" if autotune else "attend") if compiled else _attend
     options = None if kernel_options is None else dict(kernel_options)
-    return attend(q, k, v, live, block_mask, softmax_scale, softcap, options)
+    if compiled:
+        return _compiled_attention(
+            q, k, v, packed_seq_params, causal, softmax_scale, window, softcap, mask, options, autotune
+        )
+    block_mask, live = mask or document_block_mask(
+        packed_seq_params, q.shape[0], q.device, causal=causal, window=window
+    )
+    return _attend(q, k, v, live, block_mask, softmax_scale, softcap, options)
+
+
+@torch.compiler.disable(reason="packgraph's document mask compiles its pieces apart (doc_mask_attention)")
+def _compiled_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: PackedSeqParams,
+    causal: bool,
+    scale: float | None,
+    window: tuple[int, int] | None,
+    softcap: float | None,
+    mask: tuple[Any, Tensor] | None,
+    kernel_options: dict[str, int | bool] | None,
+    autotune: bool,
+) -> Tensor:
+    """:func:`doc_mask_attention` with ``compiled=True``, outside any caller's compiled graph."""
+    if mask is None:
+        mask = document_block_mask(params, q.shape[0], q.device, causal=causal, window=window, compiled=True)
+    block_mask, live = mask
+    attend = _compiled("attend-autotune" if autotune else "attend")
+    return attend(q, k, v, live, block_mask, scale, softcap, kernel_options)
 
 
 def _attend(
