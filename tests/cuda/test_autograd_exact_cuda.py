@@ -325,9 +325,9 @@ def test_capture_layers_stack_matches_eager_across_buckets_with_one_buffer_set(r
     for g in graphed:  # one output set per layer; each bucket's grads its own, released once idle
         first, *later = g.cache.values()
         assert later and all(
-            all(a is b for a, b in zip(e.static_outputs, first.static_outputs, strict=True)) for e in later
+            all(a is b for a, b in zip(e.fwd.static_outputs, first.fwd.static_outputs, strict=True)) for e in later
         )
-    released = [r for g in graphed for e in list(g.cache.values())[:-1] for r in e.grad_records if r is not None]
+    released = [r for g in graphed for e in list(g.cache.values())[:-1] for r in e.bwd.grad_records if r is not None]
     assert released and all(r.released_at is not None for r in released)
     report("exact: stack buckets met", graphed[0].num_graphs)
 
@@ -363,7 +363,7 @@ def test_micro_batches_across_buckets_on_released_grads_match_eager(set_to_none,
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         for name in w:
             _close(g[name], w[name], f"step {step} {name}")
-    released = sum(r.released_at is not None for e in graphed.cache.values() for r in e.grad_records if r)
+    released = sum(r.released_at is not None for e in graphed.cache.values() for r in e.bwd.grad_records if r)
     report(f"exact: grads released over the bucket schedule (set_to_none={set_to_none})", released)
     assert released > 0
 
@@ -410,7 +410,7 @@ def test_hidden_state_grads_kept_by_hooks_match_eager_with_two_chained_buffers(r
     assert len(got[0]) == len(got[1]) == 12
     for i, (g, w) in enumerate(zip(got[1], got[0], strict=True)):
         _close(g, w, f"hidden-state grad {i}")
-    chain = {id(r.static) for g in graphed for e in g.cache.values() for r in e.chain_records.values()}
+    chain = {id(r.static) for g in graphed for e in g.cache.values() for r in e.bwd.chain_records.values()}
     report("exact: chained grad buffers in a 4-layer stack over 2 buckets", len(chain))
     assert len(chain) == 2
 

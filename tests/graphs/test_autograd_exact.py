@@ -361,7 +361,7 @@ def test_a_loss_detached_for_logging_before_backward_keeps_its_value(handout_pat
     p = _params([10, 20, 5])
     graphed = capture_with(EagerRecorder(), _LossOf(block), (_x(0), p))
     (entry,) = graphed.cache.values()
-    static = entry.static_outputs[0]
+    static = entry.fwd.static_outputs[0]
     logged, grads = [], []
     for i in range(1, 5):
         block.zero_grad(set_to_none=True)
@@ -404,13 +404,13 @@ def test_layers_chained_in_a_stack_match_eager_over_steps_and_buckets():
     for g in graphed:  # one set of outputs per layer, whatever the number of buckets
         first, *later = g.cache.values()
         for entry in later:
-            assert all(a is b for a, b in zip(entry.static_outputs, first.static_outputs, strict=True))
+            assert all(a is b for a, b in zip(entry.fwd.static_outputs, first.fwd.static_outputs, strict=True))
     # Each bucket's grads are its own, released to the pool once idle: every capture after the first found the
     # earlier buckets' grads unheld (zero_grad set them to None) and released them, and the stand-in then wrote
     # NaNs over them at every later capture and replay, which the equalities above would have caught.
     recorder = graphed[0].group.recorder
     assert recorder.released and recorder.poisonings > 0
-    held = [r for g in graphed for e in list(g.cache.values())[:-1] for r in e.grad_records if r is not None]
+    held = [r for g in graphed for e in list(g.cache.values())[:-1] for r in e.bwd.grad_records if r is not None]
     assert held and all(r.released_at is not None for r in held)
 
 

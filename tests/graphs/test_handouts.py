@@ -27,7 +27,7 @@ def _entries(graphed):
 def _param_records(entry):
     """``[(parameter, the record of its grad)]`` of an entry's backward results."""
     n_in = len(entry.grad_positions)
-    pairs = zip(entry.trainable, entry.grad_records[n_in:], strict=True)
+    pairs = zip(entry.trainable, entry.bwd.grad_records[n_in:], strict=True)
     return [(p, r) for p, r in pairs if r is not None]
 
 
@@ -46,14 +46,14 @@ def test_idle_grads_are_released_at_the_next_new_signature_and_held_ones_are_not
     _loss(graphed(_x(3), SIGS["C"])).backward()  # C captured: B's grads are idle, A's qkv grad is not
     qkv = [r for p, r in a_params if p is block.attn.qkv.weight]
     assert len(qkv) == 1 and qkv[0].released_at is None
-    assert all(r.released_at is not None for r in b.grad_records if r is not None)
+    assert all(r.released_at is not None for r in b.bwd.grad_records if r is not None)
     del held
     block.zero_grad(set_to_none=True)
     _loss(graphed(_x(4), SIGS["A"]).sum()).backward()  # a replay: no capture, nothing released
     assert qkv[0].released_at is None
     block.zero_grad(set_to_none=True)
     _loss(graphed(_x(5), _params(LENGTHS, capacity=32))).backward()  # a fourth signature: now A's are idle
-    assert all(r.released_at is not None for e in (a, b) for r in e.grad_records if r is not None)
+    assert all(r.released_at is not None for e in (a, b) for r in e.bwd.grad_records if r is not None)
     assert recorder.released and recorder.poisonings > 0
 
 
@@ -172,7 +172,7 @@ def test_hidden_state_grads_kept_by_hooks_survive_the_shared_chained_buffers():
     assert len(got[0]) == len(got[1]) == 9
     for g, w in zip(got[1], got[0], strict=True):
         torch.testing.assert_close(g, w)
-    assert graphed[1].cache.get(next(iter(graphed[1].cache))).chain_records  # they did use the shared buffer
+    assert graphed[1].cache.get(next(iter(graphed[1].cache))).bwd.chain_records  # they did use the shared buffer
 
 
 def _eager_grad(block, seed, name):
@@ -241,7 +241,7 @@ def test_nothing_is_released_in_a_pool_the_caller_shares():
     for g, w in zip(got, want, strict=True):
         _same_grads(g, w)
     assert not recorder.released
-    assert all(r.released_at is None for e in graphed.cache.values() for r in e.grad_records if r is not None)
+    assert all(r.released_at is None for e in graphed.cache.values() for r in e.bwd.grad_records if r is not None)
 
 
 def test_layers_of_different_signatures_in_one_stack_pass_grads_through_the_chained_buffers():
@@ -414,7 +414,7 @@ def test_without_a_swap_memory_a_holder_no_scan_finds_is_kept_when_the_graphs_go
     graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]), forward_only=True)
     with torch.no_grad():
         kept = graphed(_x(1), SIGS["A"]).detach()
-    static = graphed.cache.values()[0].static_outputs[0]
+    static = graphed.cache.values()[0].fwd.static_outputs[0]
     monkeypatch.setattr(gc, "get_objects", lambda: [])  # as for a holder only C++ code keeps
     before = len(memory.KEPT_FOR_HOLDERS)
     del graphed

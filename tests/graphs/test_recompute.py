@@ -55,7 +55,7 @@ def test_the_backward_graph_runs_the_forward_again():
         block = _block()
         graphed = capture_with(stand_ins.OpReplayRecorder(), block, (_x(0), SIGS[0]), recompute=recompute)
         (entry,) = graphed.cache.values()
-        mms = [sum(str(op).startswith("aten.mm") for op, *_ in g.log) for g in (entry.fwd_graph, entry.bwd_graph)]
+        mms = [sum(str(op).startswith("aten.mm") for op, *_ in g.log) for g in (entry.fwd.graph, entry.bwd.graph)]
         counts[recompute] = mms
     assert counts[True][0] == counts[False][0]  # the same forward
     assert counts[False][1] + counts[False][0] - 1 <= counts[True][1] <= counts[False][1] + counts[False][0]

@@ -265,7 +265,7 @@ def test_forward_only_matches_eager():
     p = _params([10, 3, 30])
     graphed = capture_with(EagerRecorder(), block, (_x(0), p), forward_only=True)
     (entry,) = graphed.cache.values()
-    assert entry.bwd_graph is None and entry.trainable == []
+    assert entry.bwd is None and entry.trainable == []
     with torch.no_grad():
         ref = block(_x(4), p)
     out = graphed(_x(4), p)
@@ -369,7 +369,7 @@ def test_invalid_params_rejected_before_any_copy():
     (entry,) = graphed.cache.values()
     graphed(_x(1), _params([4, 4, 4])).sum().backward()
     snapshot = [buf.clone() for _, _, buf, _ in entry.load_plan]
-    replays = entry.fwd_graph.replays
+    replays = entry.fwd.graph.replays
     bad = [
         _params([10, 20]).replace(max_seqlen_q=5, host_offsets=p.host_offsets),  # below a real length
         _params([10, 20]).replace(
@@ -382,7 +382,7 @@ def test_invalid_params_rejected_before_any_copy():
             graphed(_x(2), params)
     for (_, _, buf, _), before in zip(entry.load_plan, snapshot, strict=True):
         assert torch.equal(buf, before)  # nothing was copied
-    assert entry.fwd_graph.replays == replays and graphed.num_graphs == 1
+    assert entry.fwd.graph.replays == replays and graphed.num_graphs == 1
     good = _params([3, 30, 1])
     _assert_same(_graphed_grads(block, graphed, _x(3), good), _eager_grads(block, _x(3), good))
 
@@ -429,9 +429,9 @@ def test_capture_layers_chain_matches_eager_without_copies():
     entries = [g.cache.values()[0] for g in graphed]
     # layer k reads layer k-1's output in place, and layer k-1's backward reads layer k's input grad in place
     for prev, nxt in zip(entries, entries[1:], strict=False):
-        assert nxt.static_inputs[0].data_ptr() == prev.static_outputs[0].data_ptr()
+        assert nxt.static_inputs[0].data_ptr() == prev.fwd.static_outputs[0].data_ptr()
         assert all(i != 0 for i, *_ in nxt.load_plan)
-        assert prev.static_grad_outputs[0] is nxt.static_grad_inputs[0]
+        assert prev.bwd.static_grad_outputs[0] is nxt.bwd.static_grad_inputs[0]
     for i in range(3):
         q = _params([5 + i, 17, 0, 2])
         layers.zero_grad(set_to_none=True)
@@ -451,17 +451,17 @@ def _log_captures(monkeypatch, graphed):
     """The ``("fwd" | "bwd", layer)`` of every capture from now on, in order."""
     names = {id(g): k for k, g in enumerate(graphed)}
     order = []
-    fwd, bwd = Entry.capture_forward, Entry.capture_backward
+    fwd, bwd = Entry._capture_forward, Entry.capture_backward
 
     def log_fwd(self):
         order.append(("fwd", names[id(self.owner)]))
-        fwd(self)
+        return fwd(self)
 
     def log_bwd(self, given=None, **kwargs):
         order.append(("bwd", names[id(self.owner)]))
         bwd(self, given, **kwargs)
 
-    monkeypatch.setattr(Entry, "capture_forward", log_fwd)
+    monkeypatch.setattr(Entry, "_capture_forward", log_fwd)
     monkeypatch.setattr(Entry, "capture_backward", log_bwd)
     return order
 
@@ -483,8 +483,8 @@ def test_recaptured_stack_is_captured_whole_at_the_first_layer_and_chains_grads(
     assert len(order) == 6  # nothing captured after the first layer's call
     new = [g.cache.values()[-1] for g in graphed]
     for prev, nxt in zip(new, new[1:], strict=False):
-        assert nxt.static_inputs[0].data_ptr() == prev.static_outputs[0].data_ptr()
-        assert prev.static_grad_outputs[0] is nxt.static_grad_inputs[0]
+        assert nxt.static_inputs[0].data_ptr() == prev.fwd.static_outputs[0].data_ptr()
+        assert prev.bwd.static_grad_outputs[0] is nxt.bwd.static_grad_inputs[0]
     _assert_stack_matches_eager(layers, out, x, q, 3)
     assert [g.captures for g in graphed] == [2, 2, 2]
     assert [g.recaptures for g in graphed] == [1, 1, 1]
@@ -595,7 +595,7 @@ def test_recapture_keeps_held_outputs_of_another_signature(monkeypatch, whole):
         for g in graphed:
             hidden.append(g(hidden[-1], p))
     assert all(
-        h.data_ptr() == e.static_outputs[0].data_ptr()
+        h.data_ptr() == e.fwd.static_outputs[0].data_ptr()
         for h, e in zip(hidden[1:], [g.cache.values()[-1] for g in graphed], strict=True)
     )
     held = [h.clone() for h in hidden[1:]]
@@ -617,7 +617,7 @@ def test_backward_captured_at_first_use_ignores_refilled_static_buffers():
     graphed = capture_with(NullRecorder(), block, (_x(0), _params([10, 20])))
     out = graphed(_x(1), _params([30, 4], pad=2))  # a new signature: forward captured now, backward at first use
     out.sum().backward()
-    assert all(e.bwd_graph is not None for e in graphed.cache.values())
+    assert all(e.bwd is not None for e in graphed.cache.values())
     out = graphed(_x(2), _params([7, 7, 7], capacity=16))
     with torch.no_grad():
         block.attn.proj.weight.add_(1.0)  # an optimizer step before the first backward
@@ -677,7 +677,7 @@ def test_chained_stack_recaptures_a_new_signature_still_chained(caplog):
     assert [g.captures for g in graphed] == [2, 2, 2]
     new = [g.cache.get(g.signatures[-1]) for g in graphed]
     for prev, nxt in zip(new, new[1:], strict=False):
-        assert nxt.chained and nxt.static_inputs[0].data_ptr() == prev.static_outputs[0].data_ptr()
+        assert nxt.chained and nxt.static_inputs[0].data_ptr() == prev.fwd.static_outputs[0].data_ptr()
     layers.zero_grad(set_to_none=True)
     xr = _x(1)
     ref = _run_stack(layers, xr, q)
@@ -691,7 +691,7 @@ def test_unchained_layers_each_copy_their_input():
     p = _params([10, 20])
     graphed = capture_layers_with(EagerRecorder(), list(layers), (_x(0), p), chain=False)
     entries = [g.cache.values()[0] for g in graphed]
-    assert entries[1].static_inputs[0].data_ptr() != entries[0].static_outputs[0].data_ptr()
+    assert entries[1].static_inputs[0].data_ptr() != entries[0].fwd.static_outputs[0].data_ptr()
     x = _x(1)
     out = graphed[1](graphed[0](x, p) + 1.0, p)
     torch.testing.assert_close(out, layers[1](layers[0](_x(1), p) + 1.0, p))

@@ -44,8 +44,8 @@ def test_the_last_layer_reads_its_output_grad_from_a_chained_buffer():
     assert len(group.slots.records()) == 2
     statics = {id(r.static) for r in group.slots.records()}
     last = _entry(graphed[-1])
-    assert id(last.static_grad_outputs[0]) in statics
-    writes = [next(iter(_entry(g).chain_records.values())).owner[-1] for g in graphed[1:]]
+    assert id(last.bwd.static_grad_outputs[0]) in statics
+    writes = [next(iter(_entry(g).bwd.chain_records.values())).owner[-1] for g in graphed[1:]]
     assert writes == [0, 1, 0]  # layers 1, 2, 3: layer 3 writes slot 0, layer 2 slot 1, layer 1 slot 0
     for seed in range(3):
         got = _step(graphed, layers, seed)

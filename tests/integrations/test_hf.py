@@ -277,9 +277,7 @@ def test_attention_scope_is_a_deprecated_alias_of_attn():
 
 
 def _replays(graphed):
-    return sum(
-        e.fwd_graph.replays + (e.bwd_graph.replays if e.bwd_graph is not None else 0) for e in graphed.cache.values()
-    )
+    return sum(e.fwd.graph.replays + (e.bwd.graph.replays if e.bwd is not None else 0) for e in graphed.cache.values())
 
 
 def test_graph_decoder_layers_forward_only_on_a_cpu_stand_in():

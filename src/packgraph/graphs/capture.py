@@ -514,7 +514,7 @@ class GraphedCallable:
                 ", ".join(opaque),
                 "is" if len(opaque) == 1 else "are",
             )
-        kind = "fwd+bwd" if entry.bwd_graph is not None else "fwd, bwd at first use" if entry.trains else "fwd"
+        kind = "fwd+bwd" if entry.bwd is not None else "fwd, bwd at first use" if entry.fwd.trains else "fwd"
         evicted = self.cache.insert(entry.key, entry, seconds=entry.capture_seconds, kind=kind)
         for old in evicted:
             old.release()
@@ -578,12 +578,12 @@ def _capture_stack(
     for k, g in enumerate(graphed):
         if k > 0:
             prev = entries[-1]
-            if not prev.single_output:
+            if not prev.fwd.single_output:
                 raise ValueError(
                     f"capture_layers: {prev.owner.name} must return one tensor (it becomes the next layer's first "
                     "argument); wrap layers that return more"
                 )
-            out = prev.static_outputs[0]
+            out = prev.fwd.static_outputs[0]
             if not g.group.chain and isinstance(first, Tensor) and out.dtype != first.dtype:
                 # Unchained layers each get an input of their own (an attention half: the float32 norm of the
                 # residual stream, not the previous attention's bf16 output under autocast): the sample keeps the
@@ -592,15 +592,12 @@ def _capture_stack(
             args = (out.detach().requires_grad_(out.requires_grad), *args[1:])
         started.append(time.perf_counter())
         key, dyn = g.signature(args, kwargs)
-        entry = Entry(g, key, args, kwargs, dyn, apart=apart)
-        with explained_capture_errors(entry):
-            entry.warm_up()
-            entry.capture_forward()
+        entry = Entry(g, key, args, kwargs, dyn, apart=apart)  # warmed up, its forward recorded
         if k + 1 < len(graphed):
             # real values in the output the next layer warms up on; a held output of another signature of this
             # layer (the same buffer) moves first, as at any forward replay
-            entry.before_replay(entry.fwd_seq, "forward")
-            entry.fwd_graph.replay()
+            entry.before_replay(entry.fwd.seq, "forward")
+            entry.fwd.graph.replay()
         entry.capture_seconds = time.perf_counter() - started[-1]
         entries.append(entry)
     for k in reversed(range(len(entries)) if backward else ()):

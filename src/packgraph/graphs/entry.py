@@ -1,10 +1,12 @@
 """One capture: static buffers, the forward and backward CUDA graphs of one signature, and the autograd glue.
 
-:class:`Entry` is what a :class:`~packgraph.graphs.capture.GraphedCallable` caches per signature. It is built from a
-call (its static buffers are copies of the call's tensors, or, in a chained layer stack, the previous layer's static
-output itself), captured by the group's recorder, and replayed inside :class:`Replay`, a ``torch.autograd.Function``
-whose inputs are the call's tensors that require grad and the parameters trained at capture, and whose backward
-replays the backward graph.
+:class:`Entry` is what a :class:`~packgraph.graphs.capture.GraphedCallable` caches per signature. It is built
+captured: its constructor makes the static buffers from a call (copies of the call's tensors, or, in a chained layer
+stack, the previous layer's static output itself), warms up and records the forward graph (:class:`ForwardGraph`).
+Its one later state is the backward graph (:class:`BackwardGraph`, ``Entry.bwd``): recorded right after the forward
+by :func:`~packgraph.graphs.capture.capture`, or at its first use when the signature is first met at call time. It
+replays inside :class:`Replay`, a ``torch.autograd.Function`` whose inputs are the call's tensors that require grad
+and the parameters trained at capture, and whose backward replays the backward graph.
 
 Gradients go through autograd, as in eager. The backward graph computes the grads of the inputs and of every
 parameter trained at capture into static tensors; :meth:`Entry.replay_backward` returns views of them, and
@@ -24,6 +26,7 @@ The replay-order rule that sharing needs is in :mod:`packgraph.graphs.memory`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -38,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from packgraph.graphs import memory, safety
 from packgraph.graphs.cache import logger
 from packgraph.graphs.memory import COPIED_OUTPUT_BYTES, Handout, check_replay_order, fits, freed_at, preserve_version
-from packgraph.graphs.recorder import capture_mode, parameters_replaced, stand_in_leaf
+from packgraph.graphs.recorder import Graph, capture_mode, parameters_replaced, stand_in_leaf
 from packgraph.graphs.signature import (
     CallSignature,
     PreparedParams,
@@ -52,7 +55,7 @@ if TYPE_CHECKING:
     from packgraph.graphs.cache import CaptureGroup, GraphCache
     from packgraph.graphs.memory import SharedBuffers
 
-__all__ = ["Entry", "Owner", "Replay", "explained_capture_errors"]
+__all__ = ["BackwardGraph", "Entry", "ForwardGraph", "Owner", "Replay", "explained_capture_errors"]
 
 
 class Owner(Protocol):
@@ -80,8 +83,52 @@ class Owner(Protocol):
     def param_slots(self) -> list[tuple[dict, str, Tensor, int]]: ...
 
 
+_OUT = object()  # marks a tensor slot in an output template
+
+
+@dataclasses.dataclass(eq=False)
+class ForwardGraph:
+    """An entry's forward graph, its capture number, and how each replay hands its outputs out."""
+
+    graph: Graph
+    seq: int  # capture number in the group (packgraph.graphs.memory)
+    out_spec: pytree.TreeSpec
+    out_template: list[Any]  # the output's leaves, _OUT where a tensor goes
+    # the callable's own output tensors at capture: the autograd graph a backward capture differentiates (None where
+    # nothing will: they were temporaries copied into the shared buffers)
+    raw_outputs: list[Tensor | None]
+    static_outputs: list[Tensor]  # where each replay leaves them
+    nondiff: list[int]  # outputs marked non-differentiable
+    trains: bool  # a backward graph is wanted: recorded after the forward, or at its first use
+    out_records: list[Handout]
+    copied_outputs: set[int]  # small outputs no graph reads in place, handed out as copies (COPIED_OUTPUT_BYTES)
+
+    @property
+    def single_output(self) -> bool:
+        return len(self.out_template) == 1 and self.out_template[0] is _OUT
+
+
+@dataclasses.dataclass(eq=False)
+class BackwardGraph:
+    """An entry's backward graph, its capture number, and where its grads come in and go out."""
+
+    graph: Graph
+    seq: int
+    static_grad_outputs: list[Tensor | None]  # read as the grads of the outputs
+    grad_plan: list[tuple[int, Tensor, int]]  # (output, its grad buffer, the buffer's address): loaded per replay
+    static_grad_inputs: list[Tensor | None]  # grads of the inputs that require grad, in order
+    grad_records: list[Handout | None]  # per grad handed out (inputs', then parameters'); None: never released
+    chain_records: dict[int, Handout]  # input-grad index -> the stack's chained grad buffer it writes
+    grad_output_records: list[Handout]  # the chained grad buffer it reads its output's grad from
+
+
 class Entry:
-    """One signature's capture: static buffers, the forward graph and, when training, the backward graph."""
+    """One signature's capture, built captured: static buffers and the forward graph (``fwd``); when training,
+    the backward graph (``bwd``: None until recorded, see the module docstring).
+
+    Raises:
+        GraphCaptureError: the callable cannot be captured (the line that failed is named).
+    """
 
     def __init__(
         self, owner: Owner, key: CallSignature, args: tuple, kwargs: dict, dyn: list, *, apart: bool = False
@@ -89,8 +136,6 @@ class Entry:
         self.owner = owner
         self.key = key
         self.flight: weakref.ref | None = None  # the autograd context of a forward whose backward has not run
-        self.fwd_seq = 0  # capture numbers in the group (see packgraph.graphs.memory)
-        self.bwd_seq: int | None = None
         self.trainable: list[Tensor] = owner.trainable_now()
         # warm-up and capture train these instead of the parameters (packgraph.graphs.recorder says why)
         self.stand_ins = [stand_in_leaf(p) for p in self.trainable]
@@ -145,14 +190,11 @@ class Entry:
         self.grad_positions = [i for i, k in enumerate(keys) if tensor_requires_grad(k)]
         self.chained_grad_inputs = [is_chained(keys[i]) for i in self.grad_positions]
         self.static_args, self.static_kwargs = rebuild_call(args, kwargs, substitutes)
-        self.fwd_graph: Any = None
-        self.bwd_graph: Any = None
-        self.trains = False  # set by capture_forward: a backward graph is wanted (captured now or at first use)
         self.consumer: weakref.ref[Entry] | None = None  # the entry that reads our output in place (chained stacks)
-        self.out_records: list[Handout] = []
-        self.grad_records: list[Handout | None] = []
-        self.chain_records: dict[int, Handout] = {}  # input-grad index -> the stack's chained grad buffer it writes
-        self.grad_output_records: list[Handout] = []  # the chained grad buffer it reads its output's grad from
+        self.bwd: BackwardGraph | None = None
+        with explained_capture_errors(self):
+            self._warm_up()
+            self.fwd = self._capture_forward()
 
     # ---------------------------------------------------------------- capture
     def _call_fn(self) -> Any:
@@ -174,7 +216,8 @@ class Entry:
 
     def statics(self) -> list[Tensor]:
         """Every static tensor this entry hands out (outputs and grads)."""
-        return [r.static for r in self.out_records] + [r.static for r in self.grad_records if r is not None]
+        grads = [] if self.bwd is None else [r.static for r in self.bwd.grad_records if r is not None]
+        return [r.static for r in self.fwd.out_records] + grads
 
     def before_allocating(self, *, release: bool) -> None:
         """Before a warm-up or capture allocates from the pool: move handed-out tensors off released memory (the
@@ -189,7 +232,7 @@ class Entry:
         if release and unowned is not None and private and self.owner.share_activations:
             group.handouts.release_idle(unowned, group.peek_seq())
 
-    def warm_up(self) -> None:
+    def _warm_up(self) -> None:
         owner = self.owner
         train = not owner.forward_only
         targets = self._grad_targets() if train else []
@@ -228,53 +271,66 @@ class Entry:
 
         owner.group.recorder.warmup(first_checked, owner.num_warmup_iters, pool=self.pool)
 
-    def capture_forward(self) -> None:
+    def _capture_forward(self) -> ForwardGraph:
         owner = self.owner
         train = not owner.forward_only
         own_inputs = {b.data_ptr() for b in self.static_inputs if b is not None}
+        traced: dict[str, Any] = {}
 
         def body() -> list:
             with capture_mode(owner, train):
                 out = self._call_fn()
-            leaves, self.out_spec = pytree.tree_flatten(out)
-            self.out_template = [_OUT if isinstance(v, Tensor) else v for v in leaves]
-            self.raw_outputs = [v for v in leaves if isinstance(v, Tensor)]
+            leaves, traced["spec"] = pytree.tree_flatten(out)
+            traced["template"] = [_OUT if isinstance(v, Tensor) else v for v in leaves]
+            raw = traced["raw"] = [v for v in leaves if isinstance(v, Tensor)]
+            if hasattr(self, "fwd"):  # a stand-in recorder replays by running the body again: these are the outputs
+                self.fwd.raw_outputs = list(raw)
             # An output that is one of the inputs (or a view of one) must stay what it is: never copied elsewhere.
-            if any(o.data_ptr() in own_inputs for o in self.raw_outputs):
-                return self.raw_outputs
-            return owner.buffers.write("output", self.raw_outputs)
+            if any(o.data_ptr() in own_inputs for o in raw):
+                return raw
+            return owner.buffers.write("output", raw)
 
-        self.fwd_graph, self.static_outputs = owner.group.recorder.record(body, pool=self.pool)
-        self.fwd_seq = owner.group.next_seq()
-        owner.buffers.free_copied(self.raw_outputs, self.static_outputs)
-        self.single_output = len(self.out_template) == 1 and self.out_template[0] is _OUT
-        self.nondiff = [j for j, o in enumerate(self.raw_outputs) if not o.requires_grad]
-        self.trains = not owner.forward_only and len(self.nondiff) < len(self.raw_outputs)
-        self.trains = self.trains and bool(self._grad_targets())
-        if not self.trains:
-            self.nondiff = list(range(len(self.static_outputs)))
-            self._drop_raw_outputs()
-        self.out_records = [
-            owner.buffers.record(o, seq=self.fwd_seq, pool=self.pool, name=f"output {j} of {owner.name}")
-            for j, o in enumerate(self.static_outputs)
+        graph, static_outputs = owner.group.recorder.record(body, pool=self.pool)
+        seq = owner.group.next_seq()
+        raw_outputs: list[Tensor | None] = traced["raw"]
+        owner.buffers.free_copied(raw_outputs, static_outputs)
+        nondiff = [j for j, o in enumerate(traced["raw"]) if not o.requires_grad]
+        trains = not owner.forward_only and len(nondiff) < len(raw_outputs) and bool(self._grad_targets())
+        if not trains:
+            nondiff = list(range(len(static_outputs)))
+            raw_outputs = _only_static(raw_outputs, static_outputs)
+        out_records = [
+            owner.buffers.record(o, seq=seq, pool=self.pool, name=f"output {j} of {owner.name}")
+            for j, o in enumerate(static_outputs)
         ]
         registry = owner.group.outputs
         if registry is not None:
-            for o in self.static_outputs:
+            for o in static_outputs:
                 if o.data_ptr() in own_inputs:
                     continue
                 if registry.registered(o):  # the primary's buffer, shared: this graph writes it now
                     registry.set_producer(o, self)
                 else:
                     self.tokens.append((o, registry.register(o, owner.uid, self)))
-        # Small outputs that no graph reads in place go out as copies (memory.COPIED_OUTPUT_BYTES).
-        self.copied_outputs = {
+        copied_outputs = {
             j
-            for j, o in enumerate(self.static_outputs)
+            for j, o in enumerate(static_outputs)
             if o.untyped_storage().nbytes() <= COPIED_OUTPUT_BYTES
             and o.data_ptr() not in own_inputs
             and (registry is None or not registry.registered(o))
         }
+        return ForwardGraph(
+            graph,
+            seq,
+            traced["spec"],
+            traced["template"],
+            raw_outputs,
+            static_outputs,
+            nondiff,
+            trains,
+            out_records,
+            copied_outputs,
+        )
 
     def capture_backward(
         self, grad_output_buffers: dict[int, Tensor] | None = None, *, last_in_stack: bool = False
@@ -283,31 +339,34 @@ class Entry:
         the next layer's input-grad buffer in a chained stack, so no copy is needed between them. The last layer of
         a chained stack (``last_in_stack``) reads the grad of its output from one of the stack's two chained grad
         buffers (:mod:`packgraph.graphs.memory`)."""
-        owner = self.owner
-        if not self.trains:
+        owner, fwd = self.owner, self.fwd
+        if not fwd.trains:
             return
         owner.group.slots.lend()
-        diff = [j for j, o in enumerate(self.raw_outputs) if o.requires_grad]
+        raw = [o for o in fwd.raw_outputs if o is not None]
+        if len(raw) < len(fwd.raw_outputs):
+            raise RuntimeError(f"{owner.name}: a backward graph is recorded once, from the forward's autograd graph")
+        diff = [j for j, o in enumerate(raw) if o.requires_grad]
         targets = self._grad_targets()
         given = grad_output_buffers or {}
-        self.static_grad_outputs: list[Tensor | None] = [None] * len(self.raw_outputs)
-        self.grad_output_records = []
+        static_grad_outputs: list[Tensor | None] = [None] * len(raw)
+        grad_output_records: list[Handout] = []
         for j in diff:
-            self.static_grad_outputs[j] = given.get(j)
-            if self.static_grad_outputs[j] is None and j == 0 and last_in_stack and owner.group.chain:
-                record = owner.group.chain_grad_output(self.raw_outputs[0])
-                self.static_grad_outputs[0] = record.static
-                self.grad_output_records.append(record)
-            if self.static_grad_outputs[j] is None:
-                self.static_grad_outputs[j] = owner.buffers.get(("grad_output", j), self.raw_outputs[j], zero=True)
-        self.grad_plan = [(j, g, g.data_ptr()) for j, g in enumerate(self.static_grad_outputs) if g is not None]
+            static_grad_outputs[j] = given.get(j)
+            if static_grad_outputs[j] is None and j == 0 and last_in_stack and owner.group.chain:
+                record = owner.group.chain_grad_output(raw[0])
+                static_grad_outputs[0] = record.static
+                grad_output_records.append(record)
+            if static_grad_outputs[j] is None:
+                static_grad_outputs[j] = owner.buffers.get(("grad_output", j), raw[j], zero=True)
+        grad_plan = [(j, g, g.data_ptr()) for j, g in enumerate(static_grad_outputs) if g is not None]
         pattern: list[bool] = []
         n_in = len(self.grad_positions)
         pairs = zip(self.grad_positions, self.chained_grad_inputs, strict=True)
         chained = {i: self.static_inputs[i] for i, c in pairs if c}
-        by_position = owner.group.chain_grads(chained, self.static_grad_outputs)
+        by_position = owner.group.chain_grads(chained, static_grad_outputs)
         chain = {k: by_position[i] for k, i in enumerate(self.grad_positions) if i in by_position}
-        for record in [*chain.values(), *self.grad_output_records]:
+        for record in [*chain.values(), *grad_output_records]:
             # What is handed out on the buffers this graph writes (the output grad it is about to read, say) moves
             # first: a recorder that records by running the body writes them now.
             owner.group.handouts.settle_owner(record.owner)
@@ -320,8 +379,8 @@ class Entry:
             # Parameter grads and unchained input grads are each signature's own (written, never zeroed or
             # accumulated into), released to the pool once idle (packgraph.graphs.memory). A chained input grad
             # goes into one of the stack's two chained grad buffers (CaptureGroup.chain_grads).
-            outs = [self.raw_outputs[j] for j in diff]
-            grad_outs = [self.static_grad_outputs[j] for j in diff]
+            outs = [fwd.raw_outputs[j] for j in diff]  # a stand-in's replay re-runs the forward: its latest
+            grad_outs = [static_grad_outputs[j] for j in diff]
             grads = list(torch.autograd.grad(outs, targets, grad_outs, retain_graph=retain, allow_unused=True))
             pattern[:] = [g is not None for g in grads]
             for k, record in chain.items():
@@ -330,41 +389,46 @@ class Entry:
                     with torch.no_grad(), preserve_version(record.static):
                         record.static.copy_(g)
                     grads[k] = record.static
-                    self.chain_records[k] = record
+                    chain_records[k] = record
             return [g for g in grads if g is not None]
 
-        self.bwd_graph, kept = owner.group.recorder.record(body, pool=self.pool)
-        self.bwd_seq = owner.group.next_seq()
+        chain_records: dict[int, Handout] = {}
+        graph, kept = owner.group.recorder.record(body, pool=self.pool)
+        seq = owner.group.next_seq()
         if not retain:
-            self._drop_raw_outputs()
+            fwd.raw_outputs = _only_static(fwd.raw_outputs, fwd.static_outputs)
         it = iter(kept)
         grads = [next(it) if present else None for present in pattern]
         owner.buffers.weights_warmed = owner.buffers.weights_warmed or any(g is not None for g in grads[n_in:])
-        self.static_grad_inputs = grads[:n_in]
-        self._record_grads(grads)
+        grad_records = self._grad_records(grads, seq)
+        self.bwd = BackwardGraph(
+            graph,
+            seq,
+            static_grad_outputs,
+            grad_plan,
+            grads[:n_in],
+            grad_records,
+            chain_records,
+            grad_output_records,
+        )
 
-    def _record_grads(self, grads: list[Tensor | None]) -> None:
+    def _grad_records(self, grads: list[Tensor | None], seq: int) -> list[Handout | None]:
         """A :class:`~packgraph.graphs.memory.Handout` for each backward result the caller receives, tracked for
         release when idle. A chained input grad (read in place by the producer graph's backward: a chained grad
         buffer, or this graph's own result if its layout fits none) is never released: its slot is None."""
         owner, n_in = self.owner, len(self.grad_positions)
-        self.grad_records = []
+        records: list[Handout | None] = []
         for k, g in enumerate(grads):
             if g is None or (k < n_in and self.chained_grad_inputs[k]):
-                self.grad_records.append(None)
+                records.append(None)
                 continue
             what = f"grad of input {self.grad_positions[k]}" if k < n_in else "parameter grad"
             params = () if k < n_in else (self.trainable[k - n_in],)
             name = f"{what} of {owner.name}"
-            record = Handout(g, seq=self.bwd_seq, owner=id(self), pool=self.pool, name=name, params=params)
+            record = Handout(g, seq=seq, owner=id(self), pool=self.pool, name=name, params=params)
             owner.group.handouts.track(record)
-            self.grad_records.append(record)
-
-    def _drop_raw_outputs(self) -> None:
-        """Once nothing will differentiate them, a later signature's raw outputs (copied into the primary's
-        buffers by its forward graph) are temporaries: their memory goes back to the pool."""
-        pairs = zip(self.raw_outputs, self.static_outputs, strict=True)
-        self.raw_outputs = [r if r is s else None for r, s in pairs]
+            records.append(record)
+        return records
 
     def capture_backward_late(self) -> None:
         """Record the backward graph at its first use (inside autograd's backward): a signature first met at call
@@ -377,9 +441,9 @@ class Entry:
         self.before_allocating(release=False)
         consumer = self.consumer() if self.consumer is not None else None
         given = {}
-        if consumer is not None and consumer.bwd_graph is not None:
+        if consumer is not None and consumer.bwd is not None:
             buf = consumer.grad_input_buffer(0)
-            if buf is not None and buf.shape == self.static_outputs[0].shape:
+            if buf is not None and buf.shape == self.fwd.static_outputs[0].shape:
                 given[0] = buf
         t0 = time.perf_counter()
         try:
@@ -410,17 +474,17 @@ class Entry:
     def grad_input_buffer(self, dyn_index: int) -> Tensor | None:
         """The static grad of dynamic input ``dyn_index``, when a graph captured later may read it in place: only
         a chained one (pinned; a released one may share its memory with that graph's). None otherwise."""
-        if self.bwd_graph is None or dyn_index not in self.grad_positions:
+        if self.bwd is None or dyn_index not in self.grad_positions:
             return None
         k = self.grad_positions.index(dyn_index)
-        return self.static_grad_inputs[k] if self.grad_records[k] is None else None
+        return self.bwd.static_grad_inputs[k] if self.bwd.grad_records[k] is None else None
 
     def release(self) -> None:
         registry = self.owner.group.outputs
         if registry is not None:
             live = [e for e in self.owner.cache.values() if e is not self]
             for tensor, token in self.tokens:
-                if not any(o is tensor for e in live for o in e.static_outputs):  # still another signature's output
+                if not any(o is tensor for e in live for o in e.fwd.static_outputs):  # another signature's output
                     registry.unregister(tensor, token)
         self.tokens = []
 
@@ -432,13 +496,15 @@ class Entry:
         if what == "backward":
             # Its own grads and the chained grad buffers it writes (the one of its input grad, and the one its output
             # grad is copied into), not the outputs: only forwards write those.
-            owners = (id(self), *(r.owner for r in (*self.chain_records.values(), *self.grad_output_records)))
+            bwd = self.bwd
+            chained = [] if bwd is None else [*bwd.chain_records.values(), *bwd.grad_output_records]
+            owners = (id(self), *(r.owner for r in chained))
         else:
             self.owner.group.slots.give_back()  # a forward: the stack's backward is over (or not started)
         self.owner.group.handouts.before_replay(seq, owners, self.pool)
 
     def load(self, dyn: list) -> None:
-        keep_versions = self.trains and self.bwd_graph is None
+        keep_versions = self.fwd.trains and self.bwd is None
         for param, copy in self.param_loads:
             if param.data_ptr() != copy.data_ptr():
                 # Refilling a copy is what it is for; autograd's version check of a late backward capture guards
@@ -458,42 +524,44 @@ class Entry:
                     buf.copy_(src)
 
     def hand_out_outputs(self) -> list[Tensor]:
-        book, copied = self.owner.group.handouts, self.copied_outputs
-        return [r.static.detach().clone() if j in copied else book.hand_out(r) for j, r in enumerate(self.out_records)]
+        book, copied = self.owner.group.handouts, self.fwd.copied_outputs
+        records = self.fwd.out_records
+        return [r.static.detach().clone() if j in copied else book.hand_out(r) for j, r in enumerate(records)]
 
     def run(self, dyn: list) -> Any:
-        if not self.trains or not torch.is_grad_enabled():
-            self.before_replay(self.fwd_seq, "forward")
+        fwd = self.fwd
+        if not fwd.trains or not torch.is_grad_enabled():
+            self.before_replay(fwd.seq, "forward")
             with torch.no_grad():
                 self.load(dyn)
-                self.fwd_graph.replay()
+                fwd.graph.replay()
             outs = self.hand_out_outputs()
         else:
             grad_tensors = [dyn[i] for i in self.grad_positions] + self.trainable
             outs = Replay.apply(self, dyn, *grad_tensors)
-        if self.single_output:
+        if fwd.single_output:
             return outs[0]
         it = iter(outs)
-        return pytree.tree_unflatten([next(it) if v is _OUT else v for v in self.out_template], self.out_spec)
+        return pytree.tree_unflatten([next(it) if v is _OUT else v for v in fwd.out_template], fwd.out_spec)
 
-    def replay_backward(self, grads: tuple) -> list:
-        for j, buf, ptr in self.grad_plan:
+    def replay_backward(self, bwd: BackwardGraph, grads: tuple) -> list:
+        for j, buf, ptr in bwd.grad_plan:
             g = grads[j]
             if g is None:
                 buf.zero_()  # the output did not reach the loss
             elif g.data_ptr() != ptr:
                 buf.copy_(g)
-        self.bwd_graph.replay()
+        bwd.graph.replay()
         book = self.owner.group.handouts
         n_in = len(self.grad_positions)
         out: list[Tensor | None] = []
-        for k, record in enumerate(self.grad_records):
-            if k in self.chain_records:
+        for k, record in enumerate(bwd.grad_records):
+            if k in bwd.chain_records:
                 # The producer graph reads it in place; tracked, as the next chained backward overwrites it.
-                out.append(book.hand_out(self.chain_records[k]))
+                out.append(book.hand_out(bwd.chain_records[k]))
             elif record is None:
                 # Chained but not in the shared buffer (another layout): read in place; or no grad.
-                chained = self.static_grad_inputs[k] if k < n_in else None
+                chained = bwd.static_grad_inputs[k] if k < n_in else None
                 out.append(chained.detach() if chained is not None else None)
             elif k < n_in and not memory.SWAP_DATA_PTR:
                 # autograd may keep an input's grad where holders cannot be moved one by one (memory.py, handouts)
@@ -520,7 +588,10 @@ def explained_capture_errors(entry: Entry) -> Iterator[None]:
         ) from exc
 
 
-_OUT = object()  # marks a tensor slot in an output template
+def _only_static(raw: list[Tensor | None], static: list[Tensor]) -> list[Tensor | None]:
+    """The raw outputs that are static ones, None for the rest: once nothing will differentiate them, raw outputs
+    copied into the shared buffers by the forward graph are temporaries, whose memory goes back to the pool."""
+    return [r if r is s else None for r, s in zip(raw, static, strict=True)]
 
 
 class _RandomDraws(TorchDispatchMode):
@@ -550,16 +621,16 @@ class Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, entry: Entry, dyn: list, *grad_tensors: Tensor) -> tuple[Tensor, ...]:
-        entry.before_replay(entry.fwd_seq, "forward")
+        entry.before_replay(entry.fwd.seq, "forward")
         entry.load(dyn)
-        entry.fwd_graph.replay()
+        entry.fwd.graph.replay()
         entry.flight = weakref.ref(ctx)
         entry.owner.group.in_flight[id(entry)] = entry
         ctx.entry = entry
         ctx.set_materialize_grads(False)
         outs = tuple(entry.hand_out_outputs())
-        if entry.nondiff:
-            ctx.mark_non_differentiable(*[outs[j] for j in entry.nondiff])
+        if entry.fwd.nondiff:
+            ctx.mark_non_differentiable(*[outs[j] for j in entry.fwd.nondiff])
         return outs
 
     @staticmethod
@@ -574,7 +645,9 @@ class Replay(torch.autograd.Function):
         entry.flight = None
         entry.owner.group.in_flight.pop(id(entry), None)
         entry.owner.group.slots.lend()
-        if entry.bwd_graph is None:
+        if entry.bwd is None:
             entry.capture_backward_late()
-        entry.before_replay(entry.bwd_seq, "backward")
-        return (None, None, *entry.replay_backward(grads))
+        bwd = entry.bwd
+        assert bwd is not None  # capture_backward records it when fwd.trains, which Replay needs
+        entry.before_replay(bwd.seq, "backward")
+        return (None, None, *entry.replay_backward(bwd, grads))

@@ -183,7 +183,7 @@ def check_replay_order(entry: Any, seq: int | None, what: str) -> None:
         same_buffers = other.owner is entry.owner and entry.owner.share_activations
         if not same_buffers and other.pool is not entry.pool:
             continue
-        later = seq is not None and (other.fwd_seq > seq or freed_at(other) < seq)
+        later = seq is not None and (other.fwd.seq > seq or freed_at(other) < seq)
         if same_buffers or later:
             raise GraphOrderError(
                 f"{entry.owner.name}: replaying this {what} graph now could overwrite the saved activations or "
@@ -195,9 +195,9 @@ def check_replay_order(entry: Any, seq: int | None, what: str) -> None:
 
 def freed_at(entry: Any) -> float:
     """The capture number after which ``entry``'s saved activations are free pool memory (inf: never)."""
-    if entry.bwd_seq is None or not entry.owner.share_activations:
+    if entry.bwd is None or not entry.owner.share_activations:
         return math.inf
-    return entry.bwd_seq
+    return entry.bwd.seq
 
 
 # ----------------------------------------------------------------------------------------------------- shared buffers

@@ -58,6 +58,7 @@ from packgraph.graphs.signature import autocast_state
 
 __all__ = [
     "CudaRecorder",
+    "Graph",
     "Recorder",
     "capture_mode",
     "loop_stream",
@@ -70,6 +71,12 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------------------- recorders
+class Graph(Protocol):
+    """What a recorder records: ``torch.cuda.CUDAGraph``, or a stand-in's graph."""
+
+    def replay(self) -> None: ...
+
+
 class Recorder(Protocol):
     """The members every recorder has (the module docstring says what each does, and lists the optional ones)."""
 
@@ -79,7 +86,7 @@ class Recorder(Protocol):
 
     def warmup(self, run: Callable[[], None], iters: int, pool: Any = None) -> None: ...
 
-    def record(self, body: Callable[[], list], pool: Any = None) -> tuple[Any, list]: ...
+    def record(self, body: Callable[[], list], pool: Any = None) -> tuple[Graph, list]: ...
 
 
 _RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("packgraph_recorder", default=None)
