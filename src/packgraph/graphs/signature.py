@@ -29,7 +29,7 @@ import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import torch
 import torch.utils._pytree as pytree
@@ -81,7 +81,7 @@ class CallSignature(NamedTuple):
     args: tuple
     kwargs: tuple
     training: bool | None
-    autocast: Any
+    autocast: torch.dtype | None
     frozen: tuple[int, ...] = ()
 
 
@@ -100,8 +100,8 @@ class TensorKey(NamedTuple):
 class TreeKey(NamedTuple):
     """A container leaf: its pytree structure and the keys of its leaves."""
 
-    spec: Any
-    leaves: tuple
+    spec: _Spec
+    leaves: tuple[Key, ...]
 
 
 class StaticKey(NamedTuple):
@@ -170,6 +170,10 @@ class _Spec:
 
     def __repr__(self) -> str:
         return str(self.spec)
+
+
+Key: TypeAlias = TensorKey | TreeKey | StaticKey | ParamsKey
+"""One leaf of a signature (``CallSignature.args`` and ``kwargs`` hold these)."""
 
 
 class PreparedParams:
@@ -404,21 +408,21 @@ def _rebuild(x: Any, it: Iterator) -> Any:
     return x
 
 
-def tensor_requires_grad(key: Any) -> bool:
+def tensor_requires_grad(key: Key) -> bool:
     """Whether a leaf key describes a tensor that requires grad."""
     return isinstance(key, TensorKey) and key.requires_grad
 
 
-def is_chained(key: Any) -> bool:
+def is_chained(key: Key) -> bool:
     """Whether a leaf key describes a tensor read in place from another graph's static output."""
     return isinstance(key, TensorKey) and key.source is not None
 
 
-def dyn_keys(signature: CallSignature) -> list[Any]:
+def dyn_keys(signature: CallSignature) -> list[TensorKey | ParamsKey]:
     """The leaf keys of the dynamic inputs, in ``dyn`` order (tensors and params only)."""
-    keys: list[Any] = []
+    keys: list[TensorKey | ParamsKey] = []
 
-    def visit(key: Any) -> None:
+    def visit(key: Key) -> None:
         if isinstance(key, (ParamsKey, TensorKey)):
             keys.append(key)
         elif isinstance(key, TreeKey):
@@ -436,7 +440,7 @@ def identity_statics(signature: CallSignature) -> list[str]:
     """Paths of static values keyed by identity (unhashable objects): a new object is a new signature."""
     found: list[str] = []
 
-    def visit(path: str, key: Any) -> None:
+    def visit(path: str, key: Key) -> None:
         if isinstance(key, StaticKey) and isinstance(key.value, GroupIdentity):
             found.append(f"{path} ({key.type.__name__})")
         elif isinstance(key, TreeKey):
@@ -450,7 +454,7 @@ def identity_statics(signature: CallSignature) -> list[str]:
     return found
 
 
-def autocast_state(device_type: str) -> Any:
+def autocast_state(device_type: str) -> torch.dtype | None:
     """The autocast state a graph bakes in for ``device_type``: None when off, else the autocast dtype."""
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
@@ -458,7 +462,7 @@ def autocast_state(device_type: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------- explained
-def describe_key(key: Any) -> str:
+def describe_key(key: Key | None) -> str:
     """A short human-readable form of one leaf key (used in logs and error messages)."""
     if key is None:
         return "None"
@@ -514,7 +518,7 @@ def signature_diff(captured: CallSignature, given: CallSignature) -> list[tuple[
 _TENSOR_PARTS = ("shape", "dtype", "device", "requires_grad")
 
 
-def _diff_key(path: str, a: Any, b: Any, out: list) -> None:
+def _diff_key(path: str, a: Key, b: Key, out: list) -> None:
     if a == b:
         return
     if isinstance(a, ParamsKey) and isinstance(b, ParamsKey):
