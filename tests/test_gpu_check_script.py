@@ -142,6 +142,8 @@ def test_a_run_installs_the_wheels_of_dot_whl_before_the_tests(tmp_path, version
     stops when pip refuses the set (two versions of one package)."""
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "gpu-check").write_text(SCRIPT.read_text())
+    (tmp_path / "tests" / "cuda").mkdir(parents=True)
+    (tmp_path / "tests" / "cuda" / "test_probe_cuda.py").write_text("")
     (tmp_path / ".whl").mkdir()
     for version in versions:
         _wheel(tmp_path / ".whl", "pgwheelprobe", version)
@@ -150,3 +152,52 @@ def test_a_run_installs_the_wheels_of_dot_whl_before_the_tests(tmp_path, version
     )
     assert expect in proc.stdout, proc.stdout + proc.stderr
     assert proc.returncode != 0  # no CUDA here (or the failed install)
+
+
+def _plan(root: Path, shard: str, jobs: int) -> list[list[str]]:
+    proc = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu-check"), "--plan", "--shard", shard, "--jobs", str(jobs)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [line.split() for line in proc.stdout.splitlines()]
+
+
+def test_the_plan_deals_every_file_once_longest_first_to_the_least_loaded(tmp_path):
+    """Each shard computes the same deal of the GPU test files over shards x jobs processes: every file once, the
+    longest (by tests/cuda/durations.json) first, each to the least loaded process; unlisted files count as the
+    median."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "gpu-check").write_text(SCRIPT.read_text())
+    (tmp_path / "tests" / "cuda").mkdir(parents=True)
+    seconds = {"a": 100.0, "b": 90.0, "c": 10.0, "d": 10.0, "e": 10.0, "f": 5.0, "g": 5.0}
+    for name in [*seconds, "new"]:
+        (tmp_path / "tests" / "cuda" / f"test_{name}_cuda.py").write_text("")
+    durations = {f"tests/cuda/test_{name}_cuda.py": s for name, s in seconds.items()}
+    (tmp_path / "tests" / "cuda" / "durations.json").write_text(json.dumps(durations))
+    plans = [_plan(tmp_path, f"{k}/2", 2) for k in (1, 2)]
+    processes = [files for plan in plans for files in plan]
+    dealt = sorted(f for files in processes for f in files)
+    assert dealt == sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "tests" / "cuda").glob("test_*.py"))
+    load = {f: durations.get(f, 10.0) for f in dealt}  # the median of the listed seconds is 10
+    totals = sorted(sum(load[f] for f in files) for files in processes)
+    # LPT over 4 processes: a=100 and b=90 alone; the rest (10 x 4 with "new", 5 x 2) split 25 / 25
+    assert totals == [25.0, 25.0, 90.0, 100.0], processes
+    assert ["tests/cuda/test_a_cuda.py"] in processes and ["tests/cuda/test_b_cuda.py"] in processes
+
+
+def test_durations_sum_each_files_tests_and_a_later_folder_wins(tmp_path):
+    for name, cases in (("old", [("test_x_cuda", 5.0), ("test_y_cuda", 7.0)]), ("new", [("test_x_cuda", 1.5)] * 2)):
+        out = tmp_path / name
+        out.mkdir()
+        body = "".join(f'<testcase classname="tests.cuda.{m}" name="t" time="{s}"/>' for m, s in cases)
+        (out / "junit-1.xml").write_text(f"<testsuites><testsuite>{body}</testsuite></testsuites>")
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--durations", str(tmp_path / "old"), str(tmp_path / "new")],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"tests/cuda/test_x_cuda.py": 3.0, "tests/cuda/test_y_cuda.py": 7.0}
