@@ -38,6 +38,7 @@ import torch
 
 from packgraph.bench.attention import median_ms
 from packgraph.bench.data import batch_stream
+from packgraph.bench.report import markdown_table
 from packgraph.buckets import default_buckets, document_mask_buckets
 from packgraph.ops import varlen_attention
 from packgraph.ops.attention import _torch_varlen_api
@@ -346,15 +347,13 @@ def flex_tiles(
 
 def tiles_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The tile study as a Markdown table."""
-    lines = [
-        "| T | mix | D | docs | longest | backend | tiles | fwd ms | fwd+bwd ms | first s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        cells = [r["T"], r["mix"], r["head_dim"], r["docs"], r["longest"], r["backend"], r["tiles"]]
-        cells += [_fmt(r.get("fwd_ms")), r.get("error") or _fmt(r.get("fwdbwd_ms")), _fmt(r.get("first_s"))]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+    header = ("T", "mix", "D", "docs", "longest", "backend", "tiles", "fwd ms", "fwd+bwd ms", "first s")
+    cells = [
+        [r["T"], r["mix"], r["head_dim"], r["docs"], r["longest"], r["backend"], r["tiles"], _fmt(r.get("fwd_ms")),
+         r.get("error") or _fmt(r.get("fwdbwd_ms")), _fmt(r.get("first_s"))]
+        for r in rows
+    ]  # fmt: skip
+    return markdown_table(header, cells) + "\n"
 
 
 def wrapper_kernels(
@@ -400,12 +399,13 @@ def wrapper_kernels(
 
 def kernels_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The wrapper's kernels as a Markdown table: ms per forward+backward step through packgraph and bare."""
-    lines = ["| T | mix | D | docs | kernel | flash ms | fa2-op ms | difference |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        cells = [r["T"], r["mix"], r["head_dim"], r["docs"], r["kernel"].replace("|", "/")]
-        cells += [f"{r['flash_ms']:.4f}", f"{r['op_ms']:.4f}", f"{r['flash_ms'] - r['op_ms']:+.4f}"]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+    header = ("T", "mix", "D", "docs", "kernel", "flash ms", "fa2-op ms", "difference")
+    cells = [
+        [r["T"], r["mix"], r["head_dim"], r["docs"], r["kernel"].replace("|", "/"), f"{r['flash_ms']:.4f}",
+         f"{r['op_ms']:.4f}", f"{r['flash_ms'] - r['op_ms']:+.4f}"]
+        for r in rows
+    ]  # fmt: skip
+    return markdown_table(header, cells) + "\n"
 
 
 def _doublings(start: int, stop: int) -> list[int]:
@@ -419,24 +419,20 @@ def _doublings(start: int, stop: int) -> list[int]:
 
 def sweep_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The declared-size sweep as a Markdown table: forward+backward ms at each declared size."""
-    lines = [
-        "| T | mix | D | docs | longest | axis | backend | max_seqlen | capacity | fwd+bwd ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        cells = [r["T"], r["mix"], r["head_dim"], r["docs"], r["longest"], r["axis"], r["backend"]]
-        cells += [r["declared_max"] or "-", r["capacity"] or "-", r.get("error") or _fmt(r.get("fwdbwd_ms"))]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+    header = ("T", "mix", "D", "docs", "longest", "axis", "backend", "max_seqlen", "capacity", "fwd+bwd ms")
+    cells = [
+        [r["T"], r["mix"], r["head_dim"], r["docs"], r["longest"], r["axis"], r["backend"], r["declared_max"] or "-",
+         r["capacity"] or "-", r.get("error") or _fmt(r.get("fwdbwd_ms"))]
+        for r in rows
+    ]  # fmt: skip
+    return markdown_table(header, cells) + "\n"
 
 
 def backends_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a Markdown table: ms and TFLOP/s, forward and forward+backward, and the first call's seconds."""
-    lines = [
-        "| T | mix | D | packing | docs | longest | backend | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
-        "| first s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = ("T", "mix", "D", "packing", "docs", "longest", "backend", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms",
+              "fwd+bwd TFLOP/s", "first s")  # fmt: skip
+    lines = []
     for r in rows:
         if "error" in r and r.get("fwd_ms") is None:
             cells = ["-", "-", "-", r["error"], "-"]
@@ -450,9 +446,8 @@ def backends_markdown(rows: Sequence[dict[str, Any]]) -> str:
             ]
             if "error" in r:
                 cells[-2] = r["error"]
-        head = [r["T"], r["mix"], r["head_dim"], r["packing"], r["docs"], r["longest"], r["backend"]]
-        lines.append("| " + " | ".join(str(c) for c in [*head, *cells]) + " |")
-    return "\n".join(lines) + "\n"
+        lines.append([r["T"], r["mix"], r["head_dim"], r["packing"], r["docs"], r["longest"], r["backend"], *cells])
+    return markdown_table(header, lines) + "\n"
 
 
 def _fmt(x: float | None) -> str:

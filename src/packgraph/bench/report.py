@@ -27,6 +27,7 @@ __all__ = [
     "kernel_class_table",
     "load_results",
     "readme_table",
+    "markdown_table",
     "record_key",
     "results_markdown",
     "results_table",
@@ -200,7 +201,9 @@ def _row(r: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def _markdown(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A Markdown table of ``header`` and ``rows`` (cells formatted with ``str``), without a trailing newline."""
+    rows = [[str(c) for c in row] for row in rows]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
@@ -208,7 +211,7 @@ def _markdown(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 def results_table(records: Iterable[Mapping[str, Any]]) -> str:
     """The main Markdown table: one row per record, :data:`TABLE_COLUMNS`."""
-    return _markdown(TABLE_COLUMNS, (_row(r) for r in sort_records(records)))
+    return markdown_table(TABLE_COLUMNS, (_row(r) for r in sort_records(records)))
 
 
 def attention_table(summary: Iterable[Mapping[str, Any]]) -> str:
@@ -229,7 +232,7 @@ def attention_table(summary: Iterable[Mapping[str, Any]]) -> str:
                 str(s["missing"]),
             )
         )
-    return _markdown(header, rows)
+    return markdown_table(header, rows)
 
 
 def kernel_class_table(records: Iterable[Mapping[str, Any]]) -> str:
@@ -254,7 +257,7 @@ def kernel_class_table(records: Iterable[Mapping[str, Any]]) -> str:
         )
         for r in profiled
     ]
-    return _markdown(header, rows)
+    return markdown_table(header, rows)
 
 
 def busy_delta(record: Mapping[str, Any], base: Mapping[str, Any], top: int = 3) -> str:
@@ -310,7 +313,7 @@ def results_markdown(doc: Mapping[str, Any]) -> str:
             )
             for s in sorted(streams, key=lambda s: (s["T"], _order(s["mix"], _MIX_ORDER)))
         ]
-        parts += ["", "## Streams", "", _markdown(header, rows)]
+        parts += ["", "## Streams", "", markdown_table(header, rows)]
     if doc.get("attention_summary"):
         parts += [
             "",
@@ -374,7 +377,7 @@ def readme_table(results_json: str | Path | Mapping[str, Any]) -> str:
         "eager's (allocated / reserved): eager's over its timed batches, packgraph's over the same batches and the "
         f"rest of its graph-count batches, captures included. {_machine_line(doc)}."
     )
-    return caption + "\n\n" + _markdown(header, rows)
+    return caption + "\n\n" + markdown_table(header, rows)
 
 
 def _memory_ratios(pg: Mapping[str, Any] | None, eager: Mapping[str, Any] | None) -> str:
