@@ -24,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from packgraph.graphs.memory import unowned_storage
+from packgraph.graphs.recorder import RecorderBase
 
 
 def _poison(storage):
@@ -32,7 +33,7 @@ def _poison(storage):
         torch.empty(0, dtype=torch.float32).set_(storage, 0, (n,), (1,)).fill_(float("nan"))
 
 
-class EagerRecorder:
+class EagerRecorder(RecorderBase):
     device_type = "cpu"
     records_by_running = True  # replay re-runs the recorded body on the same autograd graph: the engine keeps it
 

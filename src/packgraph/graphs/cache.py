@@ -18,7 +18,6 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-import torch
 from torch import Tensor
 
 from packgraph.graphs.memory import ChainGradSlots, Handout, HandoutBook
@@ -261,7 +260,7 @@ class CaptureGroup:
         self._seq = 0
         self.in_flight: dict[int, Entry] = {}
         self.handouts = HandoutBook()
-        self.slots = ChainGradSlots(cuda=isinstance(getattr(recorder, "stream", None), torch.cuda.Stream))
+        self.slots = ChainGradSlots(cuda=recorder.stream is not None)
         self._stack: list[weakref.ref[GraphedCallable]] = []
         self._callables: weakref.WeakSet[GraphedCallable] = weakref.WeakSet()
         # Handed-out views do not keep the graphs' memory allocated: move their holders before it goes.

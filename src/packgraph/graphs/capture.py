@@ -202,8 +202,8 @@ class GraphedCallable:
             self.fn = self.module.forward
         self._param_copies: dict[int, Tensor] = {}
         # A chained stack replays only on the CUDA stream it was recorded on (_check_stream).
-        stream = getattr(group.recorder, "stream", None)
-        self._recorded_on = stream if group.chain and isinstance(stream, torch.cuda.Stream) else None
+        stream = group.recorder.stream
+        self._recorded_on = stream if group.chain else None
         policy = group.preparer.buckets
         bound, warn_at = max_graphs, None
         if bound is None and policy is None:

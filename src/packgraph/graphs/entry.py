@@ -150,9 +150,9 @@ class Entry:
         # A capture gets a pool of its own when it is made while a graph with freed activations is in flight (the
         # group's pool may hand it that graph's activations), or ``apart``: when graphs captured before it may
         # replay while it is in flight (their temporaries may lie where its activations are placed).
-        self.pool: Any = recorder.pool if hasattr(recorder, "pool") else None
+        self.pool: Any = recorder.pool
         if apart or any(o.in_flight and freed_at(o) < float("inf") for o in owner.group.in_flight.values()):
-            self.pool = recorder.new_pool() if hasattr(recorder, "new_pool") else object()
+            self.pool = recorder.new_pool()
         # A new signature's capture writes the callable's shared buffers before any replay (the call's inputs are
         # loaded into them below; a stand-in recorder's capture writes its outputs): what is handed out on them
         # moves to memory of its own first.
@@ -227,9 +227,8 @@ class Entry:
         group.handouts.before_capture(self.pool)
         if release:
             group.slots.give_back()
-        unowned = getattr(group.recorder, "unowned", None)
-        private = not getattr(group.recorder, "shares_pool", False)
-        if release and unowned is not None and private and self.owner.share_activations:
+        unowned = group.recorder.unowned
+        if release and unowned is not None and not group.recorder.shares_pool and self.owner.share_activations:
             group.handouts.release_idle(unowned, group.peek_seq())
 
     def _warm_up(self) -> None:
@@ -373,7 +372,7 @@ class Entry:
         # Without retain_graph the saved activations go back to the pool when this capture ends, and later captures
         # (other signatures) reuse them; retained, they stay this graph's alone. A stand-in recorder that runs the
         # body to record it replays by running it again on the same autograd graph: it keeps it.
-        retain = not owner.share_activations or getattr(owner.group.recorder, "records_by_running", False)
+        retain = not owner.share_activations or owner.group.recorder.records_by_running
 
         def body() -> list:
             # Parameter grads and unchained input grads are each signature's own (written, never zeroed or

@@ -10,16 +10,20 @@ implements):
 * ``record(body, pool=None) -> (graph, results)``: capture ``body()`` (which returns a list of tensors, the graph's
   static results) into the recorder's pool, or ``pool``, and return an object whose ``replay()`` re-runs the
   recorded work, writing into ``results``;
-* optional ``pool`` and ``new_pool()``: the shared pool, and a fresh one (for a capture that must not reuse the
-  shared pool's memory);
-* optional ``records_by_running = True``: a replay runs the body again (a stand-in), so the engine keeps the
-  autograd graph a backward body consumes;
-* optional ``unowned(storage, pool) -> storage``: a storage over the same memory (of ``pool``) that does not keep
+* ``pool`` and ``new_pool()``: the shared pool, and a fresh one (for a capture that must not reuse the shared
+  pool's memory);
+* ``records_by_running``: a replay runs the body again (a stand-in), so the engine keeps the autograd graph a
+  backward body consumes;
+* ``unowned(storage, pool) -> storage``, or None: a storage over the same memory (of ``pool``) that does not keep
   it allocated (the engine then releases idle backward results to the pool, :mod:`packgraph.graphs.memory`). A
   stand-in that implements it must treat that memory as reused by every later warm-up and capture into ``pool``
   and every replay of a graph of ``pool`` captured after the call, as the CUDA pool may;
-* optional ``shares_pool = True``: the pool is also the caller's, for other capture groups, whose captures the
-  group cannot see. The engine then releases nothing.
+* ``shares_pool``: the pool is also the caller's, for other capture groups, whose captures the group cannot see.
+  The engine then releases nothing;
+* ``stream``: the CUDA stream it records on, or None.
+
+:class:`RecorderBase` holds the defaults of the last five: no pool, nothing released, no stream. A stand-in derives
+from it.
 
 :func:`use_recorder` is the engine's one test seam: within it, ``capture`` and ``capture_layers`` use the given
 recorder instead of a :class:`CudaRecorder`.
@@ -60,6 +64,7 @@ __all__ = [
     "CudaRecorder",
     "Graph",
     "Recorder",
+    "RecorderBase",
     "capture_mode",
     "loop_stream",
     "parameters_replaced",
@@ -78,15 +83,36 @@ class Graph(Protocol):
 
 
 class Recorder(Protocol):
-    """The members every recorder has (the module docstring says what each does, and lists the optional ones)."""
+    """The members of every recorder (the module docstring says what each does)."""
 
     device_type: str
+    pool: Any
+    shares_pool: bool
+    records_by_running: bool
+    stream: torch.cuda.Stream | None
+    unowned: Callable[[torch.UntypedStorage, Any], torch.UntypedStorage] | None
 
     def check_input(self, t: Tensor) -> None: ...
 
     def warmup(self, run: Callable[[], None], iters: int, pool: Any = None) -> None: ...
 
     def record(self, body: Callable[[], list], pool: Any = None) -> tuple[Graph, list]: ...
+
+    def new_pool(self) -> Any: ...
+
+
+class RecorderBase:
+    """The defaults of a recorder's optional members: no memory pool (a fresh ``new_pool()`` is a token that keeps
+    captures apart), memory it owns (nothing is released to a pool), no CUDA stream."""
+
+    pool: Any = None
+    shares_pool = False
+    records_by_running = False
+    stream: torch.cuda.Stream | None = None
+    unowned: Callable[[torch.UntypedStorage, Any], torch.UntypedStorage] | None = None
+
+    def new_pool(self) -> Any:
+        return object()
 
 
 _RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("packgraph_recorder", default=None)
@@ -136,7 +162,7 @@ def recorder_for(pool: Any, sample_args: Any, who: str) -> Recorder:
     return CudaRecorder(pool, next((t.device for t in tensors), None))
 
 
-class CudaRecorder:
+class CudaRecorder(RecorderBase):
     """Warms up and records CUDA graphs on one stream (the caller's, or a side stream when the caller is on the
     default stream) into one memory pool (``pool``).
 
