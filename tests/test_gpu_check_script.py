@@ -107,6 +107,14 @@ def test_summary_refuses_a_shard_whose_pytest_was_interrupted(tmp_path):
     assert proc.returncode != 0 and "stopped early" in proc.stderr
 
 
+def test_a_pytest_process_whose_files_held_no_test_to_run_counts_as_finished(tmp_path):
+    """Exit 5: its only file was skipped whole (Liger's, without liger-kernel); the verdict names the package."""
+    one = _shard(tmp_path, "1/1", tests=4, skipped=1, jobs=2, exits=[0, 5], packages={"liger-kernel": None})
+    proc = _summary(one)
+    assert proc.returncode == 0, proc.stderr
+    assert "verdict        : INCOMPLETE (liger-kernel missing" in proc.stdout
+
+
 def test_summary_refuses_a_shard_missing_one_of_its_pytest_processes(tmp_path):
     one = _shard(tmp_path, "1/1", tests=6, jobs=3)
     (one / "junit-3.xml").unlink()  # killed before pytest could write it
