@@ -74,6 +74,29 @@ def test_matches_float64_reference_with_grads(options, pad, report):
     assert worst <= TOL, sorted(errors, reverse=True)[:6]
 
 
+@pytest.mark.parametrize("tiles", ["fwd 128x64 w4 s3, TMA", "autotune"])
+def test_other_kernel_tiles_match_float64_reference_with_grads(tiles, report):
+    """The FlexAttention kernel under other tiles than Inductor's default (``bench --backends``' tile study times
+    them): TMA loads with fixed forward tiles, and max-autotune's choice. Only the schedule changes: outputs, grads
+    and dead rows as with the default."""
+    from packgraph.bench.backends import FLEX_TILES
+
+    compiled = functools.partial(doc_mask_attention, compiled=True, **FLEX_TILES[tiles])
+    errors = []
+    for i, lengths in enumerate(packings(3, seed=11, pad=1)):
+        params = make_params(lengths, 1)
+        q, k, v = (randn(T, h, D) for h in (HQ, HKV, HKV))
+        weight = bf16_weight(T, HQ, D)
+        out, grads = _fwd_bwd(compiled, q, k, v, params, weight)
+        want_out, want_grads = float64_reference(q, k, v, params, weight)
+        live = live_rows(lengths, 1)
+        assert torch.equal(out[~live], torch.zeros_like(out[~live])), "dead rows must be exact zeros"
+        errors += _errors((out, *grads), (want_out, *want_grads), f"packing {i} ({len(lengths)} docs)")
+    worst, where = max(errors)
+    report(f"doc_mask tiles [{tiles}]: worst err vs float64 ({where})", f"{worst:.2e}")
+    assert worst <= TOL, sorted(errors, reverse=True)[:6]
+
+
 def test_one_graph_serves_every_packing(report):
     """Captured once on one packing, replayed on packings of other document counts and lengths: eager's values.
     No ``max_seqlen`` or capacity enters the kernel, so no packing needs another graph."""
