@@ -233,9 +233,14 @@ def test_document_mask_buckets_put_every_packing_in_one_bucket():
 
 
 def test_a_gpt_on_the_doc_mask_backend_equals_the_flash_backend(monkeypatch):
+    """The GPT builds the document mask once per forward and every layer reads it (a mask of its own per layer gave
+    the same values at one build per layer); the values are the FA2 backend's."""
+    import packgraph.models.gpt as gpt
     from packgraph.models.gpt import GPT, GPTConfig
 
     calls = _count_doc_mask_calls(monkeypatch)
+    builds, build = [], gpt.document_block_mask
+    monkeypatch.setattr(gpt, "document_block_mask", lambda *a, **kw: builds.append(kw) or build(*a, **kw))
     cfg = dict(vocab_size=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32)
     flash = GPT(GPTConfig(**cfg)).double()
     doc_mask = GPT(GPTConfig(**cfg, attention_backend="doc_mask")).double()
@@ -244,6 +249,17 @@ def test_a_gpt_on_the_doc_mask_backend_equals_the_flash_backend(monkeypatch):
     tokens = torch.randint(0, 32, (T,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(doc_mask(tokens, params), flash(tokens, params), rtol=1e-10, atol=1e-12)
-    assert len(calls) == 2  # one per layer
+    assert len(calls) == 2 and len(builds) == 1  # one attention per layer, one mask per forward
+    assert all(call["mask"] is not None for call in calls)
+    x = doc_mask.embed_tokens(tokens)
+    with torch.no_grad():  # each layer building its own mask, as varlen_attention does by default
+        for block in doc_mask.blocks:
+            x = block(x, params)
+        torch.testing.assert_close(doc_mask.forward_hidden(tokens, params), x, rtol=0, atol=0)
+    q, k, v, _ = _case("padded", 4, 2)
+    from packgraph.ops import varlen_attention
+
+    with pytest.raises(ValueError, match="FA2 takes none"):
+        varlen_attention(q, k, v, params, mask=document_block_mask(params, T, q.device))
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         GPTConfig(**cfg, attention_backend="sdpa")

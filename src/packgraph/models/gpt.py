@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from packgraph.distributed.cp import cp_position_ids, cp_varlen_attention
 from packgraph.ops import apply_rope_thd, varlen_attention
 from packgraph.ops.attention import BACKENDS
+from packgraph.ops.doc_mask import document_block_mask
 from packgraph.params import PackedSeqParams
 
 if TYPE_CHECKING:
@@ -145,7 +146,9 @@ class AttentionBlock(nn.Module):
         self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
+    def forward(
+        self, x: Tensor, packed_seq_params: PackedSeqParams, doc_mask: tuple[Any, Tensor] | None = None
+    ) -> Tensor:
         params = packed_seq_params.attention_view()
         T = x.shape[0]
         q, k, v = self.qkv(self.norm(x)).split(
@@ -168,7 +171,8 @@ class AttentionBlock(nn.Module):
                 )
             y = cp_varlen_attention(q, k, v, params, causal=True)
         else:
-            y = varlen_attention(q, k, v, params, causal=True, backend=self.backend)
+            mask = doc_mask if self.backend == "doc_mask" else None
+            y = varlen_attention(q, k, v, params, causal=True, backend=self.backend, mask=mask)
         return x + self.dropout(self.proj(y.reshape(T, self.n_head * self.head_dim)))
 
 
@@ -195,8 +199,12 @@ class Block(nn.Module):
         self.attn = AttentionBlock(cfg)
         self.mlp = MLPBlock(cfg)
 
-    def forward(self, x: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
-        return self.mlp(self.attn(x, packed_seq_params))
+    def forward(
+        self, x: Tensor, packed_seq_params: PackedSeqParams, doc_mask: tuple[Any, Tensor] | None = None
+    ) -> Tensor:
+        # Only a mask is passed on: an attention module swapped in for AttentionBlock takes ``(x, params)``.
+        args = (x, packed_seq_params) if doc_mask is None else (x, packed_seq_params, doc_mask)
+        return self.mlp(self.attn(*args))
 
 
 def _unpack(
@@ -272,9 +280,19 @@ class GPT(nn.Module):
     def forward_hidden(self, tokens: Tensor, packed_seq_params: PackedSeqParams) -> Tensor:
         """Embedding and the block stack: ``[T]`` -> ``[T, d_model]`` (before the final norm)."""
         x = self.embed_tokens(tokens)
+        doc_mask = self.document_mask(packed_seq_params, tokens)
         for block in self.blocks:
-            x = block(x, packed_seq_params)
+            x = block(x, packed_seq_params, doc_mask)
         return x
+
+    def document_mask(self, packed_seq_params: PackedSeqParams, tokens: Tensor) -> tuple[Any, Tensor] | None:
+        """The document mask of the layers on the ``"doc_mask"`` backend, built once per forward, which every
+        such layer reads (None when none is, or under context parallel, whose attention runs FA2)."""
+        params = packed_seq_params.attention_view()
+        on_doc_mask = any(getattr(b.attn, "backend", None) == "doc_mask" for b in self.blocks)  # swapped: none
+        if not on_doc_mask or (params.local_cp_size or 1) > 1:
+            return None
+        return document_block_mask(params, tokens.shape[0], tokens.device, compiled=tokens.is_cuda)
 
     def logits_from_hidden(self, hidden: Tensor) -> Tensor:
         """Final norm and tied head: ``[T, d_model]`` -> ``[T, vocab_size]``."""

@@ -682,6 +682,7 @@ def varlen_attention(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     backend: str = "flash",
+    mask: tuple[Any, Tensor] | None = None,
 ) -> Tensor:
     """Attention over packed sequences: ``[Tq, Hq, D]`` x ``[Tk, Hkv, D]`` -> ``[Tq, Hq, D]``.
 
@@ -718,6 +719,9 @@ def varlen_attention(
             forward passes only (torch's FlexAttention has no CPU backward). The faster of the two for a layer
             shape is measured before capture by :func:`packgraph.choose_attention_backend` (``"auto"`` is refused
             here, naming it).
+        mask: ``backend="doc_mask"`` only: the ``(block_mask, live)`` that
+            :func:`~packgraph.ops.doc_mask.document_block_mask` built for these params, ``causal`` and ``window``
+            (a model whose layers share them builds it once per forward; by default each call builds its own).
 
     Raises:
         ValueError: bad shapes/dtypes/devices or options (``PackedSeqParamsError`` for the params).
@@ -727,7 +731,9 @@ def varlen_attention(
     _check_inputs(q, k, v, packed_seq_params)
     causal, window, softcap = _check_options(q, causal, window, softcap, sinks)
     if backend == "doc_mask":
-        return _document_mask(q, k, v, packed_seq_params, causal, softmax_scale, window, softcap, sinks)
+        return _document_mask(q, k, v, packed_seq_params, causal, softmax_scale, window, softcap, sinks, mask)
+    if mask is not None:
+        raise ValueError("varlen_attention: mask is the document mask of backend='doc_mask'; FA2 takes none")
     if backend == "auto":
         # A measurement cannot run inside a call that may be under capture, and the backend decides the buckets.
         raise ValueError(
@@ -774,6 +780,7 @@ def _document_mask(
     window: tuple[int, int] | None,
     softcap: float | None,
     sinks: Tensor | None,
+    mask: tuple[Any, Tensor] | None,
 ) -> Tensor:
     if sinks is not None:
         raise NotImplementedError("varlen_attention: backend='doc_mask' has no attention sinks; use backend='flash'")
@@ -793,6 +800,7 @@ def _document_mask(
             window=window,
             softcap=softcap,
             compiled=q.is_cuda,
+            mask=mask,
         )
     except NotImplementedError as exc:
         if q.is_cuda or "backward on CPU" not in str(exc):

@@ -64,14 +64,35 @@ def document_block_mask(
 
     A query row sees the keys of its own document only (causal and ``window`` as in ``varlen_attention``); rows of no
     document see nothing. Built on ``device`` from the offsets, with no host read; ``compiled`` builds it with
-    ``create_block_mask`` under torch.compile (eagerly it evaluates the mask at every (query, key) pair).
+    ``create_block_mask`` under torch.compile (eagerly it evaluates the mask at every (query, key) pair); inside a
+    caller's torch.compile the caller's graph then breaks here, as at :func:`doc_mask_attention`.
     """
+    if compiled:
+        return _compiled_mask(packed_seq_params, total, device, causal, window)
     from torch.nn.attention.flex_attention import create_block_mask
 
+    return _block_mask(packed_seq_params, total, device, causal, window, create_block_mask)
+
+
+@torch.compiler.disable(reason="packgraph's document mask compiles its pieces apart (doc_mask_attention)")
+def _compiled_mask(
+    params: PackedSeqParams, total: int, device: torch.device, causal: bool, window: tuple[int, int] | None
+) -> tuple[Any, Tensor]:
+    return _block_mask(params, total, device, causal, window, _compiled("create_block_mask"))
+
+
+def _block_mask(
+    params: PackedSeqParams,
+    total: int,
+    device: torch.device,
+    causal: bool,
+    window: tuple[int, int] | None,
+    build: Callable[..., Any],
+) -> tuple[Any, Tensor]:
     # The rows' slots are computed here, outside any compiled region, and enter the mask's closure as tensors:
     # Inductor cannot render a mask_mod that indexes one of its own intermediates ("convert FlexibleLayout to
     # FixedLayout first", torch 2.11, T = 4096 and up).
-    slot, live = _rows(packed_seq_params, total, device)
+    slot, live = _rows(params, total, device)
     left, right = window if window is not None else (-1, -1)
 
     def mask_mod(b: Any, h: Any, qi: Tensor, ki: Tensor) -> Tensor:
@@ -84,7 +105,6 @@ def document_block_mask(
             keep = keep & (ki - qi <= right)
         return keep
 
-    build = _compiled("create_block_mask") if compiled else create_block_mask
     return build(mask_mod, 1, None, total, total, device=device), live
 
 
