@@ -97,10 +97,14 @@ def _kv_shares_q_offsets(params: PackedSeqParams) -> bool:
     return params.cu_seqlens_kv is params.cu_seqlens_q and params.cu_seqlens_kv_padded is params.cu_seqlens_q_padded
 
 
+def _one_layout(q: Tensor, k: Tensor, params: PackedSeqParams) -> bool:
+    """Whether q's and k's rows are one layout: kv's offsets are q's own tensors, over as many rows."""
+    return _kv_shares_q_offsets(params) and k.shape[0] == q.shape[0]
+
+
 def _row_layouts(q: Tensor, k: Tensor, params: PackedSeqParams) -> tuple[RowLayout, RowLayout]:
     rows_q = row_layout(params, "q", q.shape[0])
-    shared = _kv_shares_q_offsets(params) and k.shape[0] == q.shape[0]
-    return rows_q, (rows_q if shared else row_layout(params, "kv", k.shape[0]))
+    return rows_q, (rows_q if _one_layout(q, k, params) else row_layout(params, "kv", k.shape[0]))
 
 
 def _live_rows(params: PackedSeqParams, which: str, n_rows: int) -> Tensor:
@@ -572,8 +576,7 @@ def _flash_attention(
             window_left=None if window is None else window[0],
         )
     live_q = _live_rows(params, "q", q.shape[0])
-    shared = _kv_shares_q_offsets(params) and k.shape[0] == q.shape[0]
-    live_k = live_q if shared else _live_rows(params, "kv", k.shape[0])
+    live_k = live_q if _one_layout(q, k, params) else _live_rows(params, "kv", k.shape[0])
     if q.requires_grad:
         q = _ZeroDeadRowGrad.apply(q, live_q)
     if k.requires_grad:
@@ -644,9 +647,8 @@ def _short_docs_apply(q: Tensor, k: Tensor, params: PackedSeqParams, causal: boo
     return (
         causal
         and slot_boundary.short_docs_for(params.cu_seqlens_q.numel() - 1, params.short_docs_min_slots)
-        and _kv_shares_q_offsets(params)
+        and _one_layout(q, k, params)
         and params.cu_seqlens_q_padded is None
-        and k.shape[0] == q.shape[0]
         and not torch.compiler.is_compiling()
     )
 
@@ -784,7 +786,7 @@ def _document_mask(
 ) -> Tensor:
     if sinks is not None:
         raise NotImplementedError("varlen_attention: backend='doc_mask' has no attention sinks; use backend='flash'")
-    if q.shape[0] != k.shape[0] or not _kv_shares_q_offsets(params):
+    if not _one_layout(q, k, params):
         raise ValueError(
             "varlen_attention: backend='doc_mask' runs self-attention, whose q and k/v rows share one layout: the "
             "same cu_seqlens tensor for q and kv (and the same padded twin); use backend='flash' for other layouts"
