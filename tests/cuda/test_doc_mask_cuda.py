@@ -74,11 +74,11 @@ def test_matches_float64_reference_with_grads(options, pad, report):
     assert worst <= TOL, sorted(errors, reverse=True)[:6]
 
 
-@pytest.mark.parametrize("tiles", ["fwd 128x64 w4 s3, TMA", "autotune"])
+@pytest.mark.parametrize("tiles", ["Inductor default", "fwd 128x64 w4 s3, TMA", "autotune"])
 def test_other_kernel_tiles_match_float64_reference_with_grads(tiles, report):
-    """The FlexAttention kernel under other tiles than Inductor's default (``bench --backends``' tile study times
-    them): TMA loads with fixed forward tiles, and max-autotune's choice. Only the schedule changes: outputs, grads
-    and dead rows as with the default."""
+    """The FlexAttention kernel under other tiles than packgraph's default (``bench --backends``' tile study times
+    them): Inductor's default, TMA loads with fixed forward tiles, and max-autotune's choice. Only the schedule
+    changes: outputs, grads and dead rows as with the default."""
     from packgraph.bench.backends import FLEX_TILES
 
     compiled = functools.partial(doc_mask_attention, compiled=True, **FLEX_TILES[tiles])
@@ -95,6 +95,30 @@ def test_other_kernel_tiles_match_float64_reference_with_grads(tiles, report):
     worst, where = max(errors)
     report(f"doc_mask tiles [{tiles}]: worst err vs float64 ({where})", f"{worst:.2e}")
     assert worst <= TOL, sorted(errors, reverse=True)[:6]
+
+
+def test_default_tiles_are_the_measured_forward_tiles_on_sm90():
+    """With no ``kernel_options``, the kernel runs :func:`default_tiles`: on sm90 in bf16 at head sizes 64 and 128
+    the forward tiles of the H200 study, bit for bit the call given them explicitly; elsewhere Inductor's default."""
+    from packgraph.bench.backends import FLEX_TILES
+    from packgraph.ops.doc_mask import default_tiles
+
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    measured = FLEX_TILES["fwd 64x64 w4 s3"]["kernel_options"]
+    for head_dim in (64, 128, 96):
+        q = randn(T, HQ, head_dim)
+        want = measured if sm90 and head_dim in (64, 128) else None
+        assert default_tiles(q) == want, (head_dim, default_tiles(q))
+    assert default_tiles(randn(T, HQ, 64).float()) is None
+    lengths = packings(1, seed=5, pad=1)[0]
+    params = make_params(lengths, 1)
+    q, k, v = (randn(T, h, D) for h in (HQ, HKV, HKV))
+    weight = bf16_weight(T, HQ, D)
+    got = _fwd_bwd(functools.partial(doc_mask_attention, compiled=True), q, k, v, params, weight)
+    explicit = functools.partial(doc_mask_attention, compiled=True, kernel_options=default_tiles(q) or {})
+    want = _fwd_bwd(explicit, q, k, v, params, weight)
+    for a, b in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_one_graph_serves_every_packing(report):

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import packgraph.ops.doc_mask as doc_mask_mod
 from packgraph.ops.attention import varlen_attention_reference
-from packgraph.ops.doc_mask import doc_mask_attention, document_block_mask
+from packgraph.ops.doc_mask import default_tiles, doc_mask_attention, document_block_mask
 from packgraph.params import PackedSeqParams
 
 T, D = 80, 16
@@ -121,7 +122,12 @@ def test_kernel_options_reach_flex_attention_and_autotune_gives_the_same_values(
     with torch.no_grad():
         want = doc_mask_attention(q, k, v, params)
         doc_mask_attention(q, k, v, params, kernel_options=options)
-    assert seen == [None, options]
+        doc_mask_attention(q, k, v, params, kernel_options={})
+        # With none given, the kernel runs default_tiles' choice (the CPU's: Inductor's default, None)
+        monkeypatch.setattr(doc_mask_mod, "default_tiles", lambda q: {"fwd_num_warps": 2})
+        doc_mask_attention(q, k, v, params)
+    assert seen == [None, options, {}, {"fwd_num_warps": 2}]
+    assert default_tiles(q) is None
     monkeypatch.setattr(flex, "flex_attention", real)
     with torch.no_grad():
         for extra in (dict(kernel_options=options), dict(autotune=True)):

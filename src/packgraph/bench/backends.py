@@ -283,7 +283,8 @@ def _tiles(m: int, n: int, warps: int, stages: int) -> dict[str, int]:
 
 
 FLEX_TILES: dict[str, dict[str, Any]] = {
-    "default": {},
+    "packgraph default": {},
+    "Inductor default": {"kernel_options": {}},
     "fwd 128x64 w4 s3": {"kernel_options": _tiles(128, 64, 4, 3)},
     "fwd 128x64 w8 s3": {"kernel_options": _tiles(128, 64, 8, 3)},
     "fwd 64x64 w4 s3": {"kernel_options": _tiles(64, 64, 4, 3)},
@@ -292,7 +293,8 @@ FLEX_TILES: dict[str, dict[str, Any]] = {
     "fwd 128x64 w4 s3, TMA": {"kernel_options": {**_tiles(128, 64, 4, 3), "USE_TMA": True}},
     "autotune": {"autotune": True},
 }
-"""The document mask's kernel choices :func:`flex_tiles` times: Inductor's default for the GPU, dtype and head size;
+"""The document mask's kernel choices :func:`flex_tiles` times: packgraph's default (:func:`~packgraph.ops.doc_mask.
+default_tiles`); Inductor's default for the GPU, dtype and head size;
 fixed forward tiles (``BLOCK_M`` queries x ``BLOCK_N`` keys, warps, pipeline stages; the backward keeps its
 default); loads by the Hopper tensor memory accelerator (``USE_TMA``, off by default on CUDA in torch 2.11, forward
 and backward); and ``mode="max-autotune-no-cudagraphs"``, which times Inductor's candidates at the first call."""

@@ -12,8 +12,9 @@ only compiled): the block mask's build and the attention are compiled apart, the
 between them. On the H200 (torch 2.11), compiled, it matched the float64 reference within 3.5e-3 in bf16 (outputs and
 grads, causal, windows, softcapping, padded layouts), and one CUDA graph of its forward and backward, block mask
 included, replayed 8 packings of 1 to 13 documents with no host read and the values of the compiled call
-(tests/cuda/test_doc_mask_cuda.py; bench/results/2026-12-03-h200-gpu-check-slot-fix/). Its speed against
-FlashAttention is not measured yet (issue #36).
+(tests/cuda/test_doc_mask_cuda.py; bench/results/2026-12-03-h200-gpu-check-slot-fix/). Its kernel's speed hangs
+on the forward's tiles (:func:`default_tiles`): with them, at T=8192 in bf16, its forward+backward took 0.86-0.97x
+FA2's at head size 64 and 0.72-0.80x at 128 (bench/results/2026-12-03-h200-backends-tiles/).
 .. warning:: torch 2.13's FlexAttention has no backward on the CPU: there it serves forward passes only (scoring,
    and the CPU tests of this module).
 .. warning:: A block that straddles two documents multiplies one document's values by the other's zero
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from packgraph.params import PackedSeqParams
 
-__all__ = ["compile_static", "doc_mask_attention", "document_block_mask"]
+__all__ = ["compile_static", "default_tiles", "doc_mask_attention", "document_block_mask"]
 
 
 def _rows(params: PackedSeqParams, total: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -108,6 +109,26 @@ def _block_mask(
     return build(mask_mod, 1, None, total, total, device=device), live
 
 
+# Measured on the H200 (sm90, bf16, torch 2.11, T=8192; bench/results/2026-12-03-h200-backends-tiles/): Inductor's
+# default forward tiles at head size 64 (128 x 128, 4 warps) made the forward 2-17x slower than these; at head
+# sizes 64 and 128, on every mix, these gave the shortest forward+backward of the fixed choices timed, within 9%
+# of max-autotune's. The backward keeps Inductor's tiles.
+_SM90_FORWARD_TILES = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3}
+
+
+def default_tiles(q: Tensor) -> dict[str, int | bool] | None:
+    """The kernel options :func:`doc_mask_attention` uses for ``q`` when given none: the forward tiles measured best
+    on sm90 GPUs (H100, H200) for bf16 or fp16 at head sizes 64 and 128, else ``None`` (Inductor's default)."""
+    if (
+        q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[-1] in (64, 128)
+        and torch.cuda.get_device_capability(q.device) == (9, 0)
+    ):
+        return dict(_SM90_FORWARD_TILES)
+    return None
+
+
 def doc_mask_attention(
     q: Tensor,
     k: Tensor,
@@ -131,9 +152,10 @@ def doc_mask_attention(
     set and grad mode at its first call (:func:`compile_static`): FlexAttention fuses its kernel only compiled.
     ``mask``: the ``(block_mask, live)`` of :func:`document_block_mask` for these params, ``causal`` and ``window``,
     built ahead; by default it is built here. ``kernel_options``: FlexAttention's (``fwd_BLOCK_M``,
-    ``bwd_num_warps``, ...), which fix the kernel's tiles instead of Inductor's default for the GPU, dtype and head
-    size. ``autotune`` compiles the attention with ``mode="max-autotune-no-cudagraphs"``: Inductor times its
-    candidate tiles at the first call of each shape and keeps the fastest (a longer first call).
+    ``bwd_num_warps``, ...), which fix the kernel's tiles; by default :func:`default_tiles`, and ``{}`` keeps
+    Inductor's default for the GPU, dtype and head size. ``autotune`` (with no ``kernel_options``) compiles the
+    attention with ``mode="max-autotune-no-cudagraphs"``: Inductor times its candidate tiles at the first call of
+    each shape and keeps the fastest (a longer first call).
 
     Called ``compiled`` inside a caller's torch.compile (a block or a whole model compiled), the caller's graph
     breaks here and the two pieces run compiled on their own: traced into the caller's graph, the rows' documents
@@ -148,7 +170,7 @@ def doc_mask_attention(
             f"doc_mask_attention takes self-attention q [T, Hq, D] and k, v [T, Hkv, D] with Hq % Hkv == 0, got "
             f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}; use varlen_attention for other shapes"
         )
-    options = None if kernel_options is None else dict(kernel_options)
+    options = dict(kernel_options) if kernel_options is not None else None if autotune else default_tiles(q)
     if compiled:
         return _compiled_attention(
             q, k, v, packed_seq_params, causal, softmax_scale, window, softcap, mask, options, autotune
