@@ -53,7 +53,7 @@ def test_the_cli_measures_every_backend_or_names_why_not(tmp_path):
         assert r["fwdbwd_ms"] > 0 if r["backend"] == "flash" else "backward on CPU" in r["error"]
     table = (tmp_path / "backends.md").read_text()
     assert table.count("\n") == 2 + len(rows) + 3 + 2 + len(sweep) + 3 + 2 + len(tiles)
-    assert "doc_mask-kernel" in table and "fwd 128x64 w8 s3" in table
+    assert "doc_mask-kernel" in table and "fwd 64x64 w4 s3, bwd 32x64 w4 s3" in table
 
 
 def test_the_cli_takes_the_packing_count_and_skips_the_tile_study(tmp_path):

@@ -278,26 +278,33 @@ def declared_size_sweep(
     return rows
 
 
-def _tiles(m: int, n: int, warps: int, stages: int) -> dict[str, int]:
+def _tiles(m: int, n: int, warps: int, stages: int, *, backward: bool = False) -> dict[str, int]:
+    """FlexAttention kernel options: the forward's tiles (``m`` queries x ``n`` keys), or with ``backward`` the
+    backward's, in Inductor's own pairing (``BLOCK_M1 = BLOCK_N2 = m``, ``BLOCK_N1 = BLOCK_M2 = n``)."""
+    if backward:
+        blocks = {"BLOCK_M1": m, "BLOCK_N1": n, "BLOCK_M2": n, "BLOCK_N2": m}
+        return {f"bwd_{k}": v for k, v in blocks.items()} | {"bwd_num_warps": warps, "bwd_num_stages": stages}
     return {"fwd_BLOCK_M": m, "fwd_BLOCK_N": n, "fwd_num_warps": warps, "fwd_num_stages": stages}
 
 
+_FWD = _tiles(64, 64, 4, 3)  # default_tiles' choice on sm90, stated here so that the study runs it on any GPU
 FLEX_TILES: dict[str, dict[str, Any]] = {
     "packgraph default": {},
     "Inductor default": {"kernel_options": {}},
-    "fwd 128x64 w4 s3": {"kernel_options": _tiles(128, 64, 4, 3)},
-    "fwd 128x64 w8 s3": {"kernel_options": _tiles(128, 64, 8, 3)},
-    "fwd 64x64 w4 s3": {"kernel_options": _tiles(64, 64, 4, 3)},
-    "fwd 128x128 w8 s2": {"kernel_options": _tiles(128, 128, 8, 2)},
-    "TMA": {"kernel_options": {"USE_TMA": True}},
-    "fwd 128x64 w4 s3, TMA": {"kernel_options": {**_tiles(128, 64, 4, 3), "USE_TMA": True}},
+    "fwd 64x64 w4 s3": {"kernel_options": _FWD},
+    "fwd 64x64 w4 s3, TMA": {"kernel_options": {**_FWD, "USE_TMA": True}},
+    "fwd 64x64 w4 s3, bwd 64x64 w4 s3": {"kernel_options": {**_FWD, **_tiles(64, 64, 4, 3, backward=True)}},
+    "fwd 64x64 w4 s3, bwd 32x64 w4 s3": {"kernel_options": {**_FWD, **_tiles(32, 64, 4, 3, backward=True)}},
+    "fwd 64x64 w4 s3, bwd 64x64 w4 s4": {"kernel_options": {**_FWD, **_tiles(64, 64, 4, 4, backward=True)}},
     "autotune": {"autotune": True},
 }
 """The document mask's kernel choices :func:`flex_tiles` times: packgraph's default (:func:`~packgraph.ops.doc_mask.
-default_tiles`); Inductor's default for the GPU, dtype and head size;
-fixed forward tiles (``BLOCK_M`` queries x ``BLOCK_N`` keys, warps, pipeline stages; the backward keeps its
-default); loads by the Hopper tensor memory accelerator (``USE_TMA``, off by default on CUDA in torch 2.11, forward
-and backward); and ``mode="max-autotune-no-cudagraphs"``, which times Inductor's candidates at the first call."""
+default_tiles`); Inductor's default for the GPU, dtype and head size; the forward tiles packgraph picks on sm90
+(``BLOCK_M`` queries x ``BLOCK_N`` keys, warps, pipeline stages), alone, with loads by the Hopper tensor memory
+accelerator (``USE_TMA``, off by default on CUDA in torch 2.11), and with three backward tilings from Inductor's
+autotuning candidates (its sm90 default for head sizes 64-128 is 64 x 128 with 8 warps); and
+``mode="max-autotune-no-cudagraphs"``, which times Inductor's candidates at the first call. The forward tilings of
+an earlier study (128 x 64, 128 x 128, TMA alone) are in bench/results/2026-12-03-h200-backends-tiles/."""
 
 
 def flex_tiles(
