@@ -69,7 +69,7 @@ from torch import Tensor, nn
 from packgraph.graphs import memory
 from packgraph.graphs.cache import CaptureGroup, GraphCache, logger
 from packgraph.graphs.entry import Entry, explained_capture_errors
-from packgraph.graphs.memory import Handout, SharedBuffers
+from packgraph.graphs.memory import Handout, Pool, SharedBuffers
 from packgraph.graphs.recorder import Recorder, recorder_for
 from packgraph.graphs.signature import (
     CallSignature,
@@ -689,7 +689,7 @@ def capture(
     sample_kwargs: dict | None = None,
     *,
     num_warmup_iters: int = 3,
-    pool: Any = None,
+    pool: Pool | None = None,
     on_mismatch: str = "recapture",
     max_graphs: int | None = None,
     forward_only: bool = False,
@@ -772,7 +772,7 @@ def capture_layers(
     sample_kwargs: dict | None = None,
     *,
     chain: bool = True,
-    pool: Any = None,
+    pool: Pool | None = None,
     **options: Any,
 ) -> list[GraphedCallable]:
     """Capture N layers into one memory pool, for a stack run as ``x = layer(x, *rest)``.

@@ -40,7 +40,15 @@ from torch.utils.checkpoint import checkpoint
 
 from packgraph.graphs import memory, safety
 from packgraph.graphs.cache import logger
-from packgraph.graphs.memory import COPIED_OUTPUT_BYTES, Handout, check_replay_order, fits, freed_at, preserve_version
+from packgraph.graphs.memory import (
+    COPIED_OUTPUT_BYTES,
+    Handout,
+    Pool,
+    check_replay_order,
+    fits,
+    freed_at,
+    preserve_version,
+)
 from packgraph.graphs.recorder import Graph, capture_mode, parameters_replaced, stand_in_leaf
 from packgraph.graphs.signature import (
     CallSignature,
@@ -150,7 +158,7 @@ class Entry:
         # A capture gets a pool of its own when it is made while a graph with freed activations is in flight (the
         # group's pool may hand it that graph's activations), or ``apart``: when graphs captured before it may
         # replay while it is in flight (their temporaries may lie where its activations are placed).
-        self.pool: Any = recorder.pool
+        self.pool: Pool | None = recorder.pool
         if apart or any(o.in_flight and freed_at(o) < float("inf") for o in owner.group.in_flight.values()):
             self.pool = recorder.new_pool()
         # A new signature's capture writes the callable's shared buffers before any replay (the call's inputs are

@@ -126,18 +126,22 @@ import contextlib
 import gc
 import math
 import weakref
-from collections.abc import Hashable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
+
+if TYPE_CHECKING:
+    from packgraph.graphs.entry import Entry, Owner
 
 __all__ = [
     "COPIED_OUTPUT_BYTES",
     "ChainGradSlots",
     "GraphOrderError",
     "Handout",
+    "Pool",
     "HandoutBook",
     "KEPT_FOR_HOLDERS",
     "SWAP_DATA_PTR",
@@ -151,6 +155,13 @@ __all__ = [
 ]
 
 
+Pool: TypeAlias = Hashable
+"""A memory pool's token: a ``torch.cuda.graph_pool_handle()``, a stand-in recorder's, or :data:`OUTSIDE_POOLS`."""
+
+Unowned: TypeAlias = Callable[[torch.UntypedStorage, Pool], torch.UntypedStorage]
+"""A recorder's ``unowned(storage, pool)``: an alias of ``storage`` that lets ``pool`` reuse its memory."""
+
+
 # --------------------------------------------------------------------------------------------------- the replay order
 class GraphOrderError(RuntimeError):
     """A replay would overwrite memory that a pending backward still needs."""
@@ -161,7 +172,7 @@ def preserve_version(t: Tensor) -> contextlib.AbstractContextManager:
     return torch.autograd._unsafe_preserve_version_counter(t)
 
 
-def check_replay_order(entry: Any, seq: int | None, what: str) -> None:
+def check_replay_order(entry: Entry, seq: int | None, what: str) -> None:
     """Raise :class:`GraphOrderError` if replaying ``entry``'s graph recorded at capture number ``seq`` could
     overwrite memory of a graph of the group whose backward has not run yet (module docstring)."""
     flights = entry.owner.group.in_flight
@@ -193,7 +204,7 @@ def check_replay_order(entry: Any, seq: int | None, what: str) -> None:
             )
 
 
-def freed_at(entry: Any) -> float:
+def freed_at(entry: Entry) -> float:
     """The capture number after which ``entry``'s saved activations are free pool memory (inf: never)."""
     if entry.bwd is None or not entry.owner.share_activations:
         return math.inf
@@ -215,7 +226,7 @@ def fits(buf: Tensor, like: Tensor, *, same_grad_flag: bool = False) -> bool:
 class SharedBuffers:
     """The primary buffers of one callable, by role; ``enabled`` is re-read at each capture."""
 
-    def __init__(self, owner: Any, *, enabled: bool = True) -> None:
+    def __init__(self, owner: Owner, *, enabled: bool = True) -> None:
         self.owner = owner
         self.enabled = enabled
         self._buffers: dict[Hashable, Tensor] = {}
@@ -279,7 +290,7 @@ class SharedBuffers:
             with torch.no_grad(), preserve_version(raw):
                 raw.set_(alias, static.storage_offset(), static.size(), static.stride())
 
-    def record(self, static: Tensor, *, seq: int, pool: Any, name: str) -> Handout:
+    def record(self, static: Tensor, *, seq: int, pool: Pool, name: str) -> Handout:
         """The :class:`Handout` of ``static`` (one per tensor, shared like it)."""
         record = self._records.get(id(static))
         if record is None or record.static is not static:
@@ -287,7 +298,7 @@ class SharedBuffers:
             self._records[id(static)] = record
         return record
 
-    def keep_only(self, live: Sequence[Any]) -> None:
+    def keep_only(self, live: Sequence[Entry]) -> None:
         """Forget the records of tensors no live entry holds any more (after evictions)."""
         held = {id(t) for e in live for t in e.statics()}
         self._records = {k: r for k, r in self._records.items() if k in held}
@@ -358,7 +369,7 @@ class Handout:
     )  # fmt: skip
 
     def __init__(
-        self, static: Tensor, *, seq: int, owner: Any, pool: Any, name: str, params: tuple[Tensor, ...] = ()
+        self, static: Tensor, *, seq: int, owner: Hashable, pool: Pool, name: str, params: tuple[Tensor, ...] = ()
     ) -> None:
         self.static = static
         self.seq = seq
@@ -435,7 +446,7 @@ class Handout:
             return True
         return False
 
-    def _move_onto(self, copy: torch.UntypedStorage, handle: Tensor, holders: Any) -> None:
+    def _move_onto(self, copy: torch.UntypedStorage, handle: Tensor, holders: Iterable[Tensor | None]) -> None:
         with torch.no_grad():
             for t in holders:
                 if t is None or t is handle or not _on_storage(t, self._cdata):
@@ -443,7 +454,7 @@ class Handout:
                 with preserve_version(t):
                     t.set_(copy, t.storage_offset(), t.size(), t.stride())
 
-    def release(self, unowned: Any, seq: int) -> bool:
+    def release(self, unowned: Unowned, seq: int) -> bool:
         """Keep the storage through an alias that does not own it (``unowned(storage, pool)``), so the pool may reuse
         the memory in captures numbered ``seq`` and later; only when nobody holds it. Returns whether it was
         released."""
@@ -470,7 +481,7 @@ class HandoutBook:
     """
 
     def __init__(self) -> None:
-        self._by_owner: dict[Any, dict[Handout, None]] = {}
+        self._by_owner: dict[Hashable, dict[Handout, None]] = {}
         self._newest = 0  # an upper bound of the seq of every record out
         self._first_release = math.inf  # a lower bound of released_at of every released record out
         self._releasable: dict[int, weakref.ref] = {}  # backward results, released when idle
@@ -485,7 +496,7 @@ class HandoutBook:
                 self._first_release = min(self._first_release, record.released_at)
         return record.alias()
 
-    def before_replay(self, seq: int | None, owners: tuple[Any, ...], pool: Any) -> None:
+    def before_replay(self, seq: int | None, owners: tuple[Hashable, ...], pool: Pool) -> None:
         """Settle every handed-out storage that a replay of a graph captured at ``seq`` may write: the ones of its
         ``owners`` (the callable's shared buffers, the entry's own, the chained grad buffer it writes), and the
         others that :meth:`Handout.exposed_to` names."""
@@ -495,18 +506,18 @@ class HandoutBook:
             return
         self._settle_others(lambda r: r.pool is pool and r.exposed_to(seq))
 
-    def settle_owner(self, owner: Any) -> None:
+    def settle_owner(self, owner: Hashable) -> None:
         """Settle every handed-out storage that ``owner`` writes (before its replay, or a capture that writes it)."""
         for record in self._by_owner.pop(owner, None) or ():
             record.out = False
             record.settle()
 
-    def before_capture(self, pool: Any) -> None:
+    def before_capture(self, pool: Pool) -> None:
         """Settle every released storage of ``pool`` still handed out: the capture may allocate its memory."""
         if self._by_owner and self._first_release < math.inf:
             self._settle_others(lambda r: r.pool is pool and r.released_at is not None)
 
-    def _settle_others(self, exposed: Any, *, letting_go: bool = False) -> None:
+    def _settle_others(self, exposed: Callable[[Handout], bool], *, letting_go: bool = False) -> None:
         newest, first_release = 0, math.inf
         for other in list(self._by_owner):
             records = self._by_owner[other]
@@ -526,7 +537,7 @@ class HandoutBook:
         """``record`` holds a backward graph's result: :meth:`release_idle` may release it."""
         self._releasable[id(record)] = weakref.ref(record)
 
-    def release_idle(self, unowned: Any, seq: int) -> int:
+    def release_idle(self, unowned: Unowned, seq: int) -> int:
         """Release every tracked storage that nobody holds (module docstring). Returns how many."""
         released = 0
         for key, ref in list(self._releasable.items()):
@@ -542,7 +553,7 @@ class HandoutBook:
                     self._by_owner.get(record.owner, {}).pop(record, None)
         return released
 
-    def forget_owner(self, owner: Any) -> None:
+    def forget_owner(self, owner: Hashable) -> None:
         """Settle and drop the records of a graph the engine lets go of (evicted, or captured for parameters that
         moved): a handle does not keep the memory allocated, and no replay writes it for its holders any more."""
         for record in self._by_owner.pop(owner, {}):

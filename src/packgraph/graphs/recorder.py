@@ -50,15 +50,18 @@ import contextlib
 import contextvars
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
 from packgraph.graphs import safety
-from packgraph.graphs.memory import unowned_storage
+from packgraph.graphs.memory import Pool, Unowned, unowned_storage
 from packgraph.graphs.signature import autocast_state
+
+if TYPE_CHECKING:
+    from packgraph.graphs.entry import Owner
 
 __all__ = [
     "CudaRecorder",
@@ -86,32 +89,32 @@ class Recorder(Protocol):
     """The members of every recorder (the module docstring says what each does)."""
 
     device_type: str
-    pool: Any
+    pool: Pool | None
     shares_pool: bool
     records_by_running: bool
     stream: torch.cuda.Stream | None
-    unowned: Callable[[torch.UntypedStorage, Any], torch.UntypedStorage] | None
+    unowned: Unowned | None
 
     def check_input(self, t: Tensor) -> None: ...
 
-    def warmup(self, run: Callable[[], None], iters: int, pool: Any = None) -> None: ...
+    def warmup(self, run: Callable[[], None], iters: int, pool: Pool | None = None) -> None: ...
 
-    def record(self, body: Callable[[], list], pool: Any = None) -> tuple[Graph, list]: ...
+    def record(self, body: Callable[[], list], pool: Pool | None = None) -> tuple[Graph, list]: ...
 
-    def new_pool(self) -> Any: ...
+    def new_pool(self) -> Pool: ...
 
 
 class RecorderBase:
     """The defaults of a recorder's optional members: no memory pool (a fresh ``new_pool()`` is a token that keeps
     captures apart), memory it owns (nothing is released to a pool), no CUDA stream."""
 
-    pool: Any = None
+    pool: Pool | None = None
     shares_pool = False
     records_by_running = False
     stream: torch.cuda.Stream | None = None
-    unowned: Callable[[torch.UntypedStorage, Any], torch.UntypedStorage] | None = None
+    unowned: Unowned | None = None
 
-    def new_pool(self) -> Any:
+    def new_pool(self) -> Pool:
         return object()
 
 
@@ -142,7 +145,7 @@ def stand_in() -> Recorder | None:
     return _RECORDER.get()
 
 
-def recorder_for(pool: Any, sample_args: Any, who: str) -> Recorder:
+def recorder_for(pool: Pool | None, sample_args: Any, who: str) -> Recorder:
     """The stand-in of :func:`use_recorder` if one is active, else a :class:`CudaRecorder` on the samples' device."""
     stand_in = _RECORDER.get()
     if stand_in is not None:
@@ -174,7 +177,7 @@ class CudaRecorder(RecorderBase):
 
     device_type = "cuda"
 
-    def __init__(self, pool: Any = None, device: torch.device | None = None) -> None:
+    def __init__(self, pool: Pool | None = None, device: torch.device | None = None) -> None:
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         # Another capture group may allocate in a pool the caller passed, where this group's handouts are not seen.
@@ -192,7 +195,7 @@ class CudaRecorder(RecorderBase):
         if t.device != self.device:
             raise ValueError(f"graph inputs must be on {self.device}; got a tensor on {t.device}")
 
-    def warmup(self, run: Callable[[], None], iters: int, pool: Any = None) -> None:
+    def warmup(self, run: Callable[[], None], iters: int, pool: Pool | None = None) -> None:
         # Lazy initialisation (cuBLAS workspaces, autotuning) must not land inside a capture.
         torch.cuda.synchronize(self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -202,7 +205,7 @@ class CudaRecorder(RecorderBase):
         torch.cuda.synchronize(self.device)
 
     @contextlib.contextmanager
-    def _allocating_in(self, pool: Any) -> Iterator[None]:
+    def _allocating_in(self, pool: Pool | None) -> Iterator[None]:
         if not _POOL_API:
             yield
             return
@@ -218,14 +221,14 @@ class CudaRecorder(RecorderBase):
                 self._held.add(pool)
                 weakref.finalize(self, _release_pool, index, pool)
 
-    def new_pool(self) -> Any:
+    def new_pool(self) -> Pool:
         return torch.cuda.graph_pool_handle()
 
-    def unowned(self, storage: torch.UntypedStorage, pool: Any = None) -> torch.UntypedStorage:
+    def unowned(self, storage: torch.UntypedStorage, pool: Pool | None = None) -> torch.UntypedStorage:
         # The block goes back to the pool when the owning storage dies; graphs keep writing its addresses.
         return unowned_storage(storage)
 
-    def record(self, body: Callable[[], list], pool: Any = None) -> tuple[Any, list]:
+    def record(self, body: Callable[[], list], pool: Pool | None = None) -> tuple[Graph, list]:
         graph = torch.cuda.CUDAGraph()
         pool = self.pool if pool is None else pool
         previous = torch.cuda.current_stream(self.device)
@@ -242,7 +245,7 @@ class CudaRecorder(RecorderBase):
         return graph, results
 
 
-def _release_pool(index: int, pool: Any) -> None:
+def _release_pool(index: int, pool: Pool) -> None:
     with contextlib.suppress(Exception):  # at interpreter exit the allocator may be gone already
         torch._C._cuda_releasePool(index, pool)
 
@@ -272,7 +275,7 @@ def stand_in_leaf(p: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def parameters_replaced(owner: Any, replacement: dict[int, Tensor]) -> Iterator[None]:
+def parameters_replaced(owner: Owner, replacement: dict[int, Tensor]) -> Iterator[None]:
     """Within the block, every parameter slot of ``owner``'s module (``owner.param_slots()``) that holds a key of
     ``replacement`` holds its value."""
     swapped = []
@@ -290,7 +293,7 @@ def parameters_replaced(owner: Any, replacement: dict[int, Tensor]) -> Iterator[
 
 
 @contextlib.contextmanager
-def capture_mode(owner: Any, train: bool) -> Iterator[None]:
+def capture_mode(owner: Owner, train: bool) -> Iterator[None]:
     """Grad mode for a training (or forward-only) capture, and the caller's autocast state without its cast cache."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.inference_mode(False))
