@@ -170,7 +170,7 @@ def doc_mask_attention(
             f"doc_mask_attention takes self-attention q [T, Hq, D] and k, v [T, Hkv, D] with Hq % Hkv == 0, got "
             f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}; use varlen_attention for other shapes"
         )
-    options = dict(kernel_options) if kernel_options is not None else None if autotune else default_tiles(q)
+    options = None if kernel_options is None else dict(kernel_options)
     if compiled:
         return _compiled_attention(
             q, k, v, packed_seq_params, causal, softmax_scale, window, softcap, mask, options, autotune
@@ -178,7 +178,12 @@ def doc_mask_attention(
     block_mask, live = mask or document_block_mask(
         packed_seq_params, q.shape[0], q.device, causal=causal, window=window
     )
-    return _attend(q, k, v, live, block_mask, softmax_scale, softcap, options)
+    return _attend(q, k, v, live, block_mask, softmax_scale, softcap, _resolved(q, options, autotune))
+
+
+def _resolved(q: Tensor, options: dict[str, int | bool] | None, autotune: bool) -> dict[str, int | bool] | None:
+    """The kernel options to run: the caller's, else none under ``autotune``, else :func:`default_tiles`."""
+    return options if options is not None or autotune else default_tiles(q)
 
 
 @torch.compiler.disable(reason="packgraph's document mask compiles its pieces apart (doc_mask_attention)")
@@ -200,7 +205,8 @@ def _compiled_attention(
         mask = document_block_mask(params, q.shape[0], q.device, causal=causal, window=window, compiled=True)
     block_mask, live = mask
     attend = _compiled("attend-autotune" if autotune else "attend")
-    return attend(q, k, v, live, block_mask, scale, softcap, kernel_options)
+    # resolved here, outside any caller's compiled graph, which would trace the device query
+    return attend(q, k, v, live, block_mask, scale, softcap, _resolved(q, kernel_options, autotune))
 
 
 def _attend(
