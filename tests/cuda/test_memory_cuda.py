@@ -139,7 +139,7 @@ def test_four_buckets_peak_no_higher_than_one(report):
     # Allocated memory counts a graph's activations only while it is captured (replays use pool memory the
     # allocator sees as free), and three of the four captures run after AdamW made its state: the fair comparison
     # of allocated memory is with eager on the same batches. A capture step holds what eager's step holds, plus
-    # the two chained grad slots and FA2's per-slot backward buffers for the bucket's ghost slots (its capacity
+    # the two chained grad buffers and FA2's per-slot backward buffers for the bucket's ghost slots (its capacity
     # over the batch's documents). The graphs are captured on the loop stream the embedding, head and loss run on
     # (packgraph.graphs.recorder), so they hold eager's two cuBLAS workspaces, not two more.
     assert p_four[-1][0] <= 1.01 * e_four[-1][0]
@@ -191,15 +191,15 @@ def test_chained_grad_buffers_are_allocated_only_while_a_backward_runs(report):
     lent_bytes = []
     for i, batch in enumerate(batches):
         g_loss, g_grads = loss_and_grads(model, graphed, batch)
-        blocks = list(graphed.callables[0].group.slots._blocks.values())
+        blocks = list(graphed.callables[0].group.chain_buffers._blocks.values())
         assert len(blocks) == 1 and blocks[0].memory is not None  # lent by the backward, until the next forward
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             graphed(batch)  # a forward: the block goes back to its pool
         assert blocks[0].memory is None
-        slots = graphed.callables[0].group.slots
-        slots.lend()
+        buffers = graphed.callables[0].group.chain_buffers
+        buffers.lend()
         before = torch.cuda.memory_allocated()
-        slots.give_back()
+        buffers.give_back()
         lent_bytes.append(before - torch.cuda.memory_allocated())
         torch.cuda.empty_cache()
         e_loss, e_grads = loss_and_grads(model, model, batch)
@@ -208,5 +208,5 @@ def test_chained_grad_buffers_are_allocated_only_while_a_backward_runs(report):
             assert float((g_grads[name] - e).abs().max()) <= GRAD_RTOL * (float(e.abs().max()) + 1e-6), (i, name)
     report("memory: chained grad block freed at each forward (MiB)", f"{blocks[0].nbytes / 2**20:.1f}")
     assert all(n == blocks[0].nbytes for n in lent_bytes), lent_bytes
-    # Two fp32 [T, 512] slots (8 MiB) sit in a 10 MiB segment; a lend allocates the 8 MiB, not the segment.
+    # Two fp32 [T, 512] buffers (8 MiB) sit in a 10 MiB segment; a lend allocates the 8 MiB, not the segment.
     assert blocks[0].nbytes == 2 * T * 512 * 4 < blocks[0].segment_bytes

@@ -7,7 +7,7 @@ alone they were eager's bit for bit. Graphs now replay on the caller's stream, a
 stream (packgraph.graphs.recorder). Both paths run here with a second process saturating the GPU with matmuls: the
 demo (``packgraph train``'s loop, on a loop stream) and a plain loop on the default stream with unchained graphs
 (recorded on a side stream, replayed on the caller's); a chained stack refuses the default stream. The chained
-stacks' grad slots, allocated on a stream of their own, are lent without writing on it.
+stacks' grad buffers, allocated on a stream of their own, are lent without writing on it.
 """
 
 from __future__ import annotations
@@ -118,11 +118,11 @@ def test_a_chained_stack_refuses_a_stream_it_was_not_recorded_on():
 
 
 def test_a_lent_grad_slot_block_is_written_on_the_callers_stream_only(report):
-    """The chained stacks' hidden-state grad slots are allocated on a stream of their own (packgraph.graphs.memory)
+    """The chained stacks' hidden-state grad buffers are allocated on a stream of their own (packgraph.graphs.memory)
     and used on the caller's. Under deterministic algorithms torch.empty fills new memory with a kernel on the
     stream it allocates on: that fill ran in no order with the backward replays, and on a busy GPU it landed in the
     middle of one, turning the grads NaN (test_gpt_cuda's deterministic runs under gpu-check --jobs 4). Here the
-    slots' stream is held back by a sleep when the block is lent: a value the caller writes right after must
+    buffers' stream is held back by a sleep when the block is lent: a value the caller writes right after must
     survive."""
     from packgraph.graphs import memory
 
@@ -139,7 +139,7 @@ def test_a_lent_grad_slot_block_is_written_on_the_callers_stream_only(report):
                 static.fill_(1.0)
             torch.cuda.synchronize()
         kept = all(bool((s == 1.0).all()) for s in block.statics)
-        report("grad slots: a lend on a held-back stream kept the caller's writes", kept)
-        assert kept, "the lend wrote the slots on the slots' own stream after the caller's writes"
+        report("chained grad buffers: a lend on a held-back stream kept the caller's writes", kept)
+        assert kept, "the lend wrote the buffers on their own stream after the caller's writes"
     finally:
         block.close()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from torch import Tensor
 
-from packgraph.graphs.memory import ChainGradSlots, Handout, HandoutBook
+from packgraph.graphs.memory import ChainGradBuffers, Handout, HandoutBook
 from packgraph.graphs.signature import CallSignature, ParamsPreparer, signature_diff
 from packgraph.params import PackedSeqParamsError
 
@@ -260,12 +260,12 @@ class CaptureGroup:
         self._seq = 0
         self.in_flight: dict[int, Entry] = {}
         self.handouts = HandoutBook()
-        self.slots = ChainGradSlots(cuda=recorder.stream is not None)
+        self.chain_buffers = ChainGradBuffers(cuda=recorder.stream is not None)
         self._stack: list[weakref.ref[GraphedCallable]] = []
         self._callables: weakref.WeakSet[GraphedCallable] = weakref.WeakSet()
         # Handed-out views do not keep the graphs' memory allocated: move their holders before it goes.
         weakref.finalize(self, self.handouts.settle_all)
-        weakref.finalize(self, self.slots.close)
+        weakref.finalize(self, self.chain_buffers.close)
 
     def chain_grads(self, chained: dict[int, Tensor], grad_outputs: list) -> dict[int, Handout]:
         """The chained grad buffer of each chained input (``position -> static input``) of a backward graph that
@@ -273,13 +273,13 @@ class CaptureGroup:
         reads it while writing the other (:mod:`packgraph.graphs.memory`). A grad handed out on one slot stays valid
         until the next backward that writes that slot, which first moves it if it is still held."""
         read = {id(g) for g in grad_outputs if g is not None}
-        slot = 1 if any(id(r.static) in read and r.owner[-1] == 0 for r in self.slots.records()) else 0
-        return {i: self.slots.record(like, i, slot) for i, like in chained.items()}
+        which = 1 if any(id(r.static) in read and r.writer[-1] == 0 for r in self.chain_buffers.records()) else 0
+        return {i: self.chain_buffers.record(like, i, which) for i, like in chained.items()}
 
     def chain_grad_output(self, like: Tensor) -> Handout:
         """The buffer the last layer of a chained stack reads the grad of its output from: slot 1 of the hidden
         states' layout, so that its own input grad goes to slot 0 and the stack holds two such buffers, not three."""
-        return self.slots.record(like, 0, 1)
+        return self.chain_buffers.record(like, 0, 1)
 
     def add(self, graphed: GraphedCallable) -> None:
         """A callable of the group (a :class:`~packgraph.graphs.capture.GraphedCallable`)."""

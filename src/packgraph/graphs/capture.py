@@ -228,17 +228,17 @@ class GraphedCallable:
         self._chain_of = None if registry is None else (lambda t: registry.lookup(t, self.uid))
         self._device_type = group.recorder.device_type
         self.grad_records: dict[int, Handout] = {}  # id(param) -> the record of the grad last handed out for it
-        self._hooks: list[Any] = []  # refilled by each _scan_slots; removed with this callable
+        self._hooks: list[Any] = []  # refilled by each _scan_tree; removed with this callable
         weakref.finalize(self, _remove_hooks, self._hooks)
-        self._scan_slots()
+        self._scan_tree()
 
     # ---------------------------------------------------------------- parameters
-    def _scan_slots(self) -> None:
+    def _scan_tree(self) -> None:
         """The module tree the graphs are captured from: every submodule (each one's train/eval flag is static: a
         Dropout switched to eval alone changes the graph), every parameter and buffer with its address, and a
         snapshot of each table of submodules, parameters, buffers and hooks, checked at every call."""
         self._submodules = list(self.module.modules()) if self.module is not None else []
-        slots, params, seen, checked = [], [], set(), []
+        places, params, seen, checked = [], [], set(), []
         tables = [table for mod in self._submodules for table in _tree_tables(mod)]
         entries = [(table, key, value) for table in tables for key, value in table.items()]
         for mod in self._submodules:
@@ -246,14 +246,14 @@ class GraphedCallable:
                 for name, t in table.items():
                     if t is None:
                         continue
-                    slots.append((table, name, t, t.data_ptr()))
+                    places.append((table, name, t, t.data_ptr()))
                     # Copied parameters move at every FSDP2 gather: only the buffers' addresses are the graphs'.
                     if not (is_param and self.copies_params):
                         checked.append((t, t.data_ptr()))
                     if is_param and id(t) not in seen:
                         seen.add(id(t))
                         params.append(t)
-        self._slots = slots
+        self._places = places
         # Checked at every call with C-level maps (a model's tree has hundreds of tables). The snapshot holds the
         # values themselves, so identity means what it meant at capture.
         self._tree = (tables, list(map(len, tables)), *(list(column) for column in zip(*entries, strict=True)))
@@ -295,9 +295,9 @@ class GraphedCallable:
         for entry in dropped:
             entry.release()
         self.buffers.clear()
-        for owner in (self.uid, *map(id, dropped)):
-            self.group.handouts.forget_owner(owner)
-        self._scan_slots()
+        for writer in (self.uid, *map(id, dropped)):
+            self.group.handouts.forget_writer(writer)
+        self._scan_tree()
         # A part's parameters swap between shards and gathered tensors at every call; a callable graphed with
         # plain parameters that FSDP2 holds now would read storage FSDP2 frees.
         if self.fsdp is None and self.module is not None:
@@ -318,9 +318,9 @@ class GraphedCallable:
                 len(dropped),
             )
 
-    def param_slots(self) -> list[tuple[dict, str, Tensor, int]]:
+    def param_places(self) -> list[tuple[dict, str, Tensor, int]]:
         """``(table, name, tensor, data_ptr)`` of every parameter and buffer slot of the module."""
-        return self._slots
+        return self._places
 
     def param_copies(self) -> dict[int, Tensor]:
         """With ``copies_params``: ``id(parameter) -> `` the static copy the graphs read instead (a leaf, of the
@@ -329,7 +329,7 @@ class GraphedCallable:
             copy = self._param_copies.get(id(p))
             if copy is None or copy.shape != p.shape or copy.dtype != p.dtype or copy.requires_grad != p.requires_grad:
                 copy = p.detach().clone()
-                # of the parameter's class, as stand_in_leaf makes them: code may check for Parameter
+                # of the parameter's class, as proxy_leaf makes them: code may check for Parameter
                 is_param = isinstance(p, nn.Parameter)
                 self._param_copies[id(p)] = (
                     nn.Parameter(copy, p.requires_grad) if is_param else copy.requires_grad_(p.requires_grad)
@@ -518,7 +518,7 @@ class GraphedCallable:
         evicted = self.cache.insert(entry.key, entry, seconds=entry.capture_seconds, kind=kind)
         for old in evicted:
             old.release()
-            self.group.handouts.forget_owner(id(old))
+            self.group.handouts.forget_writer(id(old))
         if evicted:
             self.buffers.keep_only(self.cache.values())
 

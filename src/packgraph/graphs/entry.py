@@ -49,7 +49,7 @@ from packgraph.graphs.memory import (
     freed_at,
     preserve_version,
 )
-from packgraph.graphs.recorder import Graph, capture_mode, parameters_replaced, stand_in_leaf
+from packgraph.graphs.recorder import Graph, capture_mode, parameters_replaced, proxy_leaf
 from packgraph.graphs.signature import (
     CallSignature,
     PreparedParams,
@@ -86,9 +86,11 @@ class Owner(Protocol):
 
     def trainable_now(self) -> list[Tensor]: ...
 
+    def any_in_flight(self) -> bool: ...
+
     def param_copies(self) -> dict[int, Tensor]: ...
 
-    def param_slots(self) -> list[tuple[dict, str, Tensor, int]]: ...
+    def param_places(self) -> list[tuple[dict, str, Tensor, int]]: ...
 
 
 _OUT = object()  # marks a tensor slot in an output template
@@ -146,13 +148,13 @@ class Entry:
         self.flight: weakref.ref | None = None  # the autograd context of a forward whose backward has not run
         self.trainable: list[Tensor] = owner.trainable_now()
         # warm-up and capture train these instead of the parameters (packgraph.graphs.recorder says why)
-        self.stand_ins = [stand_in_leaf(p) for p in self.trainable]
-        self.replaced = dict(zip(map(id, self.trainable), self.stand_ins, strict=True))
+        self.proxies = [proxy_leaf(p) for p in self.trainable]
+        self.replaced = dict(zip(map(id, self.trainable), self.proxies, strict=True))
         # FSDP2: every parameter is read from a static copy, refreshed by each call's load (GraphedCallable)
         self.param_loads: list[tuple[Tensor, Tensor]] = []
         if owner.copies_params:
             self.replaced = owner.param_copies()
-            self.stand_ins = [self.replaced[id(p)] for p in self.trainable]
+            self.proxies = [self.replaced[id(p)] for p in self.trainable]
             self.param_loads = [(p, self.replaced[id(p)]) for p in owner.params]
         recorder = owner.group.recorder
         # A capture gets a pool of its own when it is made while a graph with freed activations is in flight (the
@@ -164,7 +166,7 @@ class Entry:
         # A new signature's capture writes the callable's shared buffers before any replay (the call's inputs are
         # loaded into them below; a stand-in recorder's capture writes its outputs): what is handed out on them
         # moves to memory of its own first.
-        owner.group.handouts.settle_owner(owner.uid)
+        owner.group.handouts.settle_writer(owner.uid)
         self.tokens: list[tuple[Tensor, int]] = []
         self.capture_seconds = 0.0
         keys = dyn_keys(key)
@@ -211,7 +213,7 @@ class Entry:
                 params.assert_valid_async()
         if self.owner.recompute and torch.is_grad_enabled():
             # The forward saves only what the callable reads; the backward runs it again (inside its graph, when
-            # captured), stand-ins and all. No RNG state is kept: warm_up refuses callables that draw numbers.
+            # captured), proxies and all. No RNG state is kept: warm_up refuses callables that draw numbers.
             return checkpoint(self._run_fn, use_reentrant=False, preserve_rng_state=False)
         return self._run_fn()
 
@@ -220,7 +222,7 @@ class Entry:
             return self.owner.fn(*self.static_args, **self.static_kwargs)
 
     def _grad_targets(self) -> list[Tensor]:
-        return [self.static_inputs[i] for i in self.grad_positions] + self.stand_ins
+        return [self.static_inputs[i] for i in self.grad_positions] + self.proxies
 
     def statics(self) -> list[Tensor]:
         """Every static tensor this entry hands out (outputs and grads)."""
@@ -234,7 +236,7 @@ class Entry:
         group = self.owner.group
         group.handouts.before_capture(self.pool)
         if release:
-            group.slots.give_back()
+            group.chain_buffers.give_back()
         unowned = group.recorder.unowned
         if release and unowned is not None and not group.recorder.shares_pool and self.owner.share_activations:
             group.handouts.release_idle(unowned, group.peek_seq())
@@ -349,7 +351,7 @@ class Entry:
         owner, fwd = self.owner, self.fwd
         if not fwd.trains:
             return
-        owner.group.slots.lend()
+        owner.group.chain_buffers.lend()
         raw = [o for o in fwd.raw_outputs if o is not None]
         if len(raw) < len(fwd.raw_outputs):
             raise RuntimeError(f"{owner.name}: a backward graph is recorded once, from the forward's autograd graph")
@@ -376,7 +378,7 @@ class Entry:
         for record in [*chain.values(), *grad_output_records]:
             # What is handed out on the buffers this graph writes (the output grad it is about to read, say) moves
             # first: a recorder that records by running the body writes them now.
-            owner.group.handouts.settle_owner(record.owner)
+            owner.group.handouts.settle_writer(record.writer)
         # Without retain_graph the saved activations go back to the pool when this capture ends, and later captures
         # (other signatures) reuse them; retained, they stay this graph's alone. A stand-in recorder that runs the
         # body to record it replays by running it again on the same autograd graph: it keeps it.
@@ -432,7 +434,7 @@ class Entry:
             what = f"grad of input {self.grad_positions[k]}" if k < n_in else "parameter grad"
             params = () if k < n_in else (self.trainable[k - n_in],)
             name = f"{what} of {owner.name}"
-            record = Handout(g, seq=seq, owner=id(self), pool=self.pool, name=name, params=params)
+            record = Handout(g, seq=seq, writer=id(self), pool=self.pool, name=name, params=params)
             owner.group.handouts.track(record)
             records.append(record)
         return records
@@ -499,16 +501,16 @@ class Entry:
     def before_replay(self, seq: int | None, what: str) -> None:
         """The order check (:mod:`~packgraph.graphs.memory`), then move handed-out tensors this replay may write."""
         check_replay_order(self, seq, what)
-        owners = (self.owner.uid, id(self))
+        writers = (self.owner.uid, id(self))
         if what == "backward":
             # Its own grads and the chained grad buffers it writes (the one of its input grad, and the one its output
             # grad is copied into), not the outputs: only forwards write those.
             bwd = self.bwd
             chained = [] if bwd is None else [*bwd.chain_records.values(), *bwd.grad_output_records]
-            owners = (id(self), *(r.owner for r in chained))
+            writers = (id(self), *(r.writer for r in chained))
         else:
-            self.owner.group.slots.give_back()  # a forward: the stack's backward is over (or not started)
-        self.owner.group.handouts.before_replay(seq, owners, self.pool)
+            self.owner.group.chain_buffers.give_back()  # a forward: the stack's backward is over (or not started)
+        self.owner.group.handouts.before_replay(seq, writers, self.pool)
 
     def load(self, dyn: list) -> None:
         keep_versions = self.fwd.trains and self.bwd is None
@@ -651,7 +653,7 @@ class Replay(torch.autograd.Function):
             )
         entry.flight = None
         entry.owner.group.in_flight.pop(id(entry), None)
-        entry.owner.group.slots.lend()
+        entry.owner.group.chain_buffers.lend()
         if entry.bwd is None:
             entry.capture_backward_late()
         bwd = entry.bwd

@@ -12,7 +12,7 @@ eager's promises about the tensors it hands out:
    callable read and write the same static inputs and outputs.
 3. **Handed-out memory** (:class:`HandoutBook`): outputs and grads go out as views of the graphs' memory, without
    copies; a holder still holding one when a replay would write it gets its values moved to memory of its own.
-4. **The chained stacks' grad slots** (:class:`ChainGradSlots`): the hidden-state grads passed between a chained
+4. **The chained stacks' grad buffers** (:class:`ChainGradBuffers`): the hidden-state grads passed between a chained
    stack's backward graphs live in one block that exists only while a backward uses it.
 
 Each part's rules, where they are enforced:
@@ -93,30 +93,30 @@ the pool, and the new capture may place its tensors there, as eager's allocator 
 addresses at replay, so a released storage handed out later is settled before any replay of a graph captured after
 its release, and before any capture into its pool (whose allocations may land on it). Nothing is released without
 ``share_activations``, nor in a pool the caller passed (other capture groups may allocate there, and this book does
-not see their captures). A chained stack's two hidden-state grad buffers are records too, written by every layer's
-backward of their slot: each such backward settles what is handed out on the slot it writes.
+not see their captures). A chained stack's two hidden-state grad buffers are records too, each written by every other
+layer's backward: each such backward settles what is handed out on the buffer it writes.
 
 A handle does not keep the graph's memory allocated, so every handle still held is settled before the engine lets
 go of a storage: when a graph is evicted or dropped, and when its capture group is collected.
 
-**4. Grad slots.** The hidden-state grad buffers of a chained layer stack, allocated only while a backward pass
-uses them.
+**4. Chained grad buffers.** The hidden-state grad buffers of a chained layer stack, allocated only while a backward
+pass uses them.
 
 A chained stack's backward graphs pass the grad of the hidden states from layer to layer through two fixed buffers
-per layout, slots 0 and 1: the last layer reads slot 1 (the grad of the stack's output, copied in) and writes slot 0,
-the layer before reads slot 0 and writes slot 1, and so on. Eager holds such grads only during its backward. Kept
+per layout, 0 and 1: the last layer reads buffer 1 (the grad of the stack's output, copied in) and writes buffer 0,
+the layer before reads buffer 0 and writes buffer 1, and so on. Eager holds such grads only during its backward. Kept
 allocated for good, the two buffers would sit on top of eager's peak, which training reaches at the end of the
 forward.
 
-So on CUDA both slots of a layout share one block, the only block of a :class:`torch.cuda.MemPool` of its own.
-:meth:`ChainGradSlots.lend` allocates it before a backward replay or capture, and :meth:`ChainGradSlots.give_back`
+So on CUDA both buffers of a layout share one block, the only block of a :class:`torch.cuda.MemPool` of its own.
+:meth:`ChainGradBuffers.lend` allocates it before a backward replay or capture, and :meth:`ChainGradBuffers.give_back`
 frees it before a forward, when nothing handed out on it is still held. Nothing else is ever allocated in that pool,
 and the block is allocated on one stream with one size, so it comes back at the address the graphs write. Every
 lend checks that address. While the block is given back, its memory stays reserved by the pool, as eager's freed
 grads stay reserved by the caching allocator.
 
-Without that API (a CPU stand-in, a torch without ``MemPool``) each slot is its own tensor and stays allocated. A
-slot given back there is filled with NaN (floating dtypes), so a stand-in run that read a slot across a forward
+Without that API (a CPU stand-in, a torch without ``MemPool``) each buffer is its own tensor and stays allocated. A
+buffer given back there is filled with NaN (floating dtypes), so a stand-in run that read a buffer across a forward
 fails loudly instead of passing where CUDA makes no promise about the contents.
 """
 
@@ -138,7 +138,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COPIED_OUTPUT_BYTES",
-    "ChainGradSlots",
+    "ChainGradBuffers",
     "GraphOrderError",
     "Handout",
     "Pool",
@@ -240,7 +240,7 @@ class SharedBuffers:
         return self.enabled and not self.owner.any_in_flight()
 
     def get(self, role: Hashable, like: Tensor, *, zero: bool = False) -> Tensor:
-        """The buffer for ``role`` (an input or a grad-output slot), holding ``like``'s values (zeros with
+        """The buffer for ``role`` (an input or a grad-output position), holding ``like``'s values (zeros with
         ``zero``): the primary's when it fits, else a new one (kept as the primary's if the role has none)."""
         buf = self._buffers.get(role)
         if buf is not None and self._sharing() and fits(buf, like, same_grad_flag=not zero):
@@ -294,7 +294,7 @@ class SharedBuffers:
         """The :class:`Handout` of ``static`` (one per tensor, shared like it)."""
         record = self._records.get(id(static))
         if record is None or record.static is not static:
-            record = Handout(static, seq=seq, owner=self.owner.uid, pool=pool, name=name)
+            record = Handout(static, seq=seq, writer=self.owner.uid, pool=pool, name=name)
             self._records[id(static)] = record
         return record
 
@@ -357,23 +357,23 @@ class Handout:
     Args:
         static: the graph's tensor (the engine keeps it; views of its memory are handed out on a handle).
         seq: the capture number that allocated it.
-        owner: who writes it at every replay: the callable's uid for a buffer all its signatures share (outputs),
+        writer: who writes it at every replay: the callable's uid for a buffer all its signatures share (outputs),
             or one entry's for a signature's own (grads).
         pool: the memory pool it lives in.
         name: used in log lines and errors (``"output 0 of layer[3] Block"``).
     """
 
     __slots__ = (
-        "static", "seq", "owner", "pool", "name", "params", "out", "released_at", "aliases", "_handle", "_cdata",
+        "static", "seq", "writer", "pool", "name", "params", "out", "released_at", "aliases", "_handle", "_cdata",
         "_baseline", "__weakref__",
     )  # fmt: skip
 
     def __init__(
-        self, static: Tensor, *, seq: int, owner: Hashable, pool: Pool, name: str, params: tuple[Tensor, ...] = ()
+        self, static: Tensor, *, seq: int, writer: Hashable, pool: Pool, name: str, params: tuple[Tensor, ...] = ()
     ) -> None:
         self.static = static
         self.seq = seq
-        self.owner = owner
+        self.writer = writer
         self.pool = pool
         self.name = name
         self.params = params  # whose .grad may adopt a view of it (where holders are moved one by one)
@@ -473,15 +473,15 @@ class Handout:
 
 
 class HandoutBook:
-    """The handed-out storages of one capture group, by owner, settled before each replay that may write them.
+    """The handed-out storages of one capture group, by writer, settled before each replay that may write them.
 
-    Per replay the owner's own records are settled; the others are scanned only when one of them may lie in the
+    Per replay the writer's own records are settled; the others are scanned only when one of them may lie in the
     replayed graph's memory (:meth:`Handout.exposed_to`), which in a model's run order happens once per step, at
     its first replay.
     """
 
     def __init__(self) -> None:
-        self._by_owner: dict[Hashable, dict[Handout, None]] = {}
+        self._by_writer: dict[Hashable, dict[Handout, None]] = {}
         self._newest = 0  # an upper bound of the seq of every record out
         self._first_release = math.inf  # a lower bound of released_at of every released record out
         self._releasable: dict[int, weakref.ref] = {}  # backward results, released when idle
@@ -490,43 +490,43 @@ class HandoutBook:
         """A view of ``record``'s storage to return to the caller."""
         if not record.out:
             record.out = True
-            self._by_owner.setdefault(record.owner, {})[record] = None
+            self._by_writer.setdefault(record.writer, {})[record] = None
             self._newest = max(self._newest, record.seq)
             if record.released_at is not None:
                 self._first_release = min(self._first_release, record.released_at)
         return record.alias()
 
-    def before_replay(self, seq: int | None, owners: tuple[Hashable, ...], pool: Pool) -> None:
+    def before_replay(self, seq: int | None, writers: tuple[Hashable, ...], pool: Pool) -> None:
         """Settle every handed-out storage that a replay of a graph captured at ``seq`` may write: the ones of its
-        ``owners`` (the callable's shared buffers, the entry's own, the chained grad buffer it writes), and the
+        ``writers`` (the callable's shared buffers, the entry's own, the chained grad buffer it writes), and the
         others that :meth:`Handout.exposed_to` names."""
-        for owner in owners:
-            self.settle_owner(owner)
-        if seq is None or not self._by_owner or self._newest < seq <= self._first_release:
+        for writer in writers:
+            self.settle_writer(writer)
+        if seq is None or not self._by_writer or self._newest < seq <= self._first_release:
             return
         self._settle_others(lambda r: r.pool is pool and r.exposed_to(seq))
 
-    def settle_owner(self, owner: Hashable) -> None:
-        """Settle every handed-out storage that ``owner`` writes (before its replay, or a capture that writes it)."""
-        for record in self._by_owner.pop(owner, None) or ():
+    def settle_writer(self, writer: Hashable) -> None:
+        """Settle every handed-out storage that ``writer`` writes (before its replay, or a capture that writes it)."""
+        for record in self._by_writer.pop(writer, None) or ():
             record.out = False
             record.settle()
 
     def before_capture(self, pool: Pool) -> None:
         """Settle every released storage of ``pool`` still handed out: the capture may allocate its memory."""
-        if self._by_owner and self._first_release < math.inf:
+        if self._by_writer and self._first_release < math.inf:
             self._settle_others(lambda r: r.pool is pool and r.released_at is not None)
 
     def _settle_others(self, exposed: Callable[[Handout], bool], *, letting_go: bool = False) -> None:
         newest, first_release = 0, math.inf
-        for other in list(self._by_owner):
-            records = self._by_owner[other]
+        for other in list(self._by_writer):
+            records = self._by_writer[other]
             for record in [r for r in records if exposed(r)]:
                 del records[record]
                 record.out = False
                 record.settle_or_keep() if letting_go else record.settle()
             if not records:
-                del self._by_owner[other]
+                del self._by_writer[other]
                 continue
             newest = max(newest, max(r.seq for r in records))
             released = [r.released_at for r in records if r.released_at is not None]
@@ -550,13 +550,13 @@ class HandoutBook:
                 del self._releasable[key]
                 if record.out:  # handed out, but nobody holds it any more: nothing to settle
                     record.out = False
-                    self._by_owner.get(record.owner, {}).pop(record, None)
+                    self._by_writer.get(record.writer, {}).pop(record, None)
         return released
 
-    def forget_owner(self, owner: Hashable) -> None:
+    def forget_writer(self, writer: Hashable) -> None:
         """Settle and drop the records of a graph the engine lets go of (evicted, or captured for parameters that
         moved): a handle does not keep the memory allocated, and no replay writes it for its holders any more."""
-        for record in self._by_owner.pop(owner, {}):
+        for record in self._by_writer.pop(writer, {}):
             record.out = False
             record.settle_or_keep()
 
@@ -569,7 +569,7 @@ class HandoutBook:
             self._settle_others(lambda r: True, letting_go=True)
 
 
-# --------------------------------------------------------------------------------------------------------- grad slots
+# ------------------------------------------------------------------------------------------------ chained grad buffers
 # The pools of closed groups' blocks, by (device, segment size), for the next block of that segment size. A pool
 # destroyed by the garbage collector aborted the process once (inside a warm-up that routes allocations to a graph
 # pool, with the pool's block still allocated), so pools are destroyed only by release_spare_pools(), at a point the
@@ -605,7 +605,7 @@ def _alloc_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-OUTSIDE_POOLS = object()  # the pool of a slot: no graph pool, so no capture may place tensors on it
+OUTSIDE_POOLS = object()  # the pool of a chained grad buffer: no graph pool, so no capture may place tensors on it
 
 # The caching allocator gives a request of 10 MiB or more a segment of exactly its size rounded up to 2 MiB; a
 # smaller one would get a 20 MiB segment. So the pool's one segment is made by a request of at least 10 MiB, and
@@ -645,17 +645,17 @@ def _lending_api() -> bool:
 
 
 class _Block:
-    """The memory of both slots of one layout, lent from a pool of its own (CUDA)."""
+    """The memory of both buffers of one layout, lent from a pool of its own (CUDA)."""
 
     def __init__(self, like: Tensor) -> None:
         # First in the instance dict, so freed before the pool even if close() never ran: a MemPool destroyed
         # under a live allocation leaves the allocator a block of a pool it no longer has.
         self.memory: Tensor | None = None
-        slot = math.ceil(_span_bytes(like) / _ALIGN) * _ALIGN
-        self.segment_bytes = math.ceil(max(2 * slot, _MIN_EXACT_SEGMENT) / _SEGMENT_ROUNDING) * _SEGMENT_ROUNDING
-        split = self.segment_bytes - 2 * slot > _SPLIT_REMAINDER
+        each = math.ceil(_span_bytes(like) / _ALIGN) * _ALIGN
+        self.segment_bytes = math.ceil(max(2 * each, _MIN_EXACT_SEGMENT) / _SEGMENT_ROUNDING) * _SEGMENT_ROUNDING
+        split = self.segment_bytes - 2 * each > _SPLIT_REMAINDER
         # What a lend allocates, as the allocated statistic counts it.
-        self.nbytes = 2 * slot if split else self.segment_bytes
+        self.nbytes = 2 * each if split else self.segment_bytes
         self.device = like.device
         self.stream = _alloc_stream(self.device)
         self.pool = _take_pool(self.device, self.segment_bytes)
@@ -663,7 +663,7 @@ class _Block:
         del primer
         self.memory = self._allocate()
         self.ptr = self.memory.data_ptr()
-        self.slot_bytes = slot
+        self.buffer_bytes = each
         self.statics = [self._view(like, k) for k in (0, 1)]
         with torch.no_grad():
             for s in self.statics:
@@ -673,7 +673,7 @@ class _Block:
         # Allocated on the block's own stream, but written and read by the graphs on the caller's, in no order with
         # it: nothing may run on that stream. With deterministic algorithms on, torch.empty fills new memory (0xFF
         # bytes here) with a kernel on the current stream, which a busy GPU ran in the middle of the next backward
-        # replay, turning the hidden-state grads to NaN. The graphs write every slot before they read it, so the
+        # replay, turning the hidden-state grads to NaN. The graphs write every buffer before they read it, so the
         # fill is skipped; and the caller's stream waits for the block's, should anything else ever run there.
         with _no_memory_fill(), torch.cuda.use_mem_pool(self.pool, self.device), torch.cuda.stream(self.stream):
             block = torch.empty(nbytes or self.nbytes, dtype=torch.uint8, device=self.device)
@@ -681,9 +681,9 @@ class _Block:
         return block
 
     def _view(self, like: Tensor, k: int) -> Tensor:
-        # A storage over the slot's bytes that does not own them: the block's memory tensor does, while lent.
-        ptr = self.ptr + k * self.slot_bytes
-        storage = torch._C._construct_storage_from_data_pointer(ptr, self.device, self.slot_bytes)
+        # A storage over the buffer's bytes that does not own them: the block's memory tensor does, while lent.
+        ptr = self.ptr + k * self.buffer_bytes
+        storage = torch._C._construct_storage_from_data_pointer(ptr, self.device, self.buffer_bytes)
         return torch.empty(0, dtype=like.dtype, device=self.device).set_(storage, 0, like.shape, like.stride())
 
     def close(self) -> None:
@@ -708,11 +708,11 @@ class _Block:
         self.memory = memory
 
 
-class ChainGradSlots:
+class ChainGradBuffers:
     """The chained grad buffers of one capture group, as :class:`Handout` records.
 
     Args:
-        cuda: the group records CUDA graphs (a stand-in recorder's slots stay allocated, see the module docstring).
+        cuda: the group records CUDA graphs (a stand-in recorder's buffers stay allocated, see the module docstring).
     """
 
     def __init__(self, cuda: bool) -> None:
@@ -721,10 +721,10 @@ class ChainGradSlots:
         self._blocks: dict[tuple, _Block] = {}
         self._lent = True
 
-    def record(self, like: Tensor, position: int, slot: int) -> Handout:
-        """The record of slot ``slot`` (0 or 1) of ``like``'s layout, for chained input ``position``."""
+    def record(self, like: Tensor, position: int, which: int) -> Handout:
+        """The record of buffer ``which`` (0 or 1) of ``like``'s layout, for chained input ``position``."""
         layout = (tuple(like.shape), like.stride(), like.dtype, like.device, position)
-        record = self._records.get((*layout, slot))
+        record = self._records.get((*layout, which))
         if record is not None:
             return record
         self.lend()
@@ -737,14 +737,15 @@ class ChainGradSlots:
             else:
                 buf = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device).zero_()
             name = "grad of the hidden states between chained layers"
-            self._records[(*layout, k)] = Handout(buf, seq=0, owner=("chain", layout, k), pool=OUTSIDE_POOLS, name=name)
-        return self._records[(*layout, slot)]
+            writer = ("chain", layout, k)
+            self._records[(*layout, k)] = Handout(buf, seq=0, writer=writer, pool=OUTSIDE_POOLS, name=name)
+        return self._records[(*layout, which)]
 
     def records(self) -> list[Handout]:
         return list(self._records.values())
 
     def lend(self) -> None:
-        """Before a backward replay or capture: the slots' memory is allocated (cheap when it already is)."""
+        """Before a backward replay or capture: the buffers' memory is allocated (cheap when it already is)."""
         if self._lent:
             return
         for block in self._blocks.values():
@@ -752,13 +753,13 @@ class ChainGradSlots:
         self._lent = True
 
     def give_back(self) -> None:
-        """Before a forward: free the slots' memory unless a tensor handed out on it is still held (then it stays
+        """Before a forward: free the buffers' memory unless a tensor handed out on it is still held (then it stays
         allocated, and the backward that next writes it moves that tensor first)."""
         if not self._lent or not self._records:
             return
         if any(r.held() for r in self._records.values()):
             return
-        # A group's slots are all in lent blocks (CUDA with MemPool) or all tensors of their own (see record()).
+        # A group's buffers are all in lent blocks (CUDA with MemPool) or all tensors of their own (see record()).
         for block in self._blocks.values():
             block.memory = None
         if not self._blocks:

@@ -28,12 +28,12 @@ from it.
 :func:`use_recorder` is the engine's one test seam: within it, ``capture`` and ``capture_layers`` use the given
 recorder instead of a :class:`CudaRecorder`.
 
-**Stand-ins.** What warm-up and capture run under: stand-in leaves for the parameters, and the grad and autocast modes.
+**Proxies.** What warm-up and capture run under: proxy leaves for the parameters, and the grad and autocast modes.
 
 Warm-up and capture run on a side stream. If they used the real parameters, the autograd graph a capture keeps
 (until a late backward capture) would hold the parameters' ``AccumulateGrad`` nodes, which autograd reuses, with
 the side stream, on the caller's stream ("The AccumulateGrad node's stream does not match ..."). Fresh leaves that
-share each parameter's storage and version counter stand in for them instead.
+share each parameter's storage and version counter (proxies) are trained instead.
 
 **Streams.** One stream for a whole loop, so that graphs and the eager code around them share cuBLAS workspaces.
 
@@ -73,7 +73,7 @@ __all__ = [
     "parameters_replaced",
     "recorder_for",
     "stand_in",
-    "stand_in_leaf",
+    "proxy_leaf",
     "use_recorder",
 ]
 
@@ -266,8 +266,8 @@ def _without_donated_buffers() -> contextlib.AbstractContextManager:
     return config.patch(donated_buffer=False)
 
 
-# ---------------------------------------------------------------------------------------------------------- stand-ins
-def stand_in_leaf(p: Tensor) -> Tensor:
+# ------------------------------------------------------------------------------------------------------------ proxies
+def proxy_leaf(p: Tensor) -> Tensor:
     """A leaf sharing ``p``'s storage and version counter, of ``p``'s class (code may check for ``Parameter``)."""
     if isinstance(p, torch.nn.Parameter):
         return torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad)
@@ -276,12 +276,12 @@ def stand_in_leaf(p: Tensor) -> Tensor:
 
 @contextlib.contextmanager
 def parameters_replaced(owner: Owner, replacement: dict[int, Tensor]) -> Iterator[None]:
-    """Within the block, every parameter slot of ``owner``'s module (``owner.param_slots()``) that holds a key of
+    """Within the block, every parameter place of ``owner``'s module (``owner.param_places()``) that holds a key of
     ``replacement`` holds its value."""
     swapped = []
     try:
         if replacement:
-            for table, name, t, _ in owner.param_slots():
+            for table, name, t, _ in owner.param_places():
                 new = replacement.get(id(t))
                 if new is not None and table.get(name) is t:
                     table[name] = new

@@ -52,8 +52,8 @@ class _GraphedCall(nn.Module):
     forward, since the target's ``forward`` is replaced by the graphed one. The params arrive as packgraph's
     (rebuilt on the graph's static buffers) and reach the target as Megatron's class. The target's second output
     (a layer's cross-attention context, an attention's or MLP's skipped bias) must be ``None`` or one of its
-    parameters; :meth:`second` gives it back at call time. It is recorded by name: the engine may hold stand-ins
-    in the parameter slots while it captures, and the eager code after the graph must see the real parameter.
+    parameters; :meth:`second` gives it back at call time. It is recorded by name: the engine may hold proxies
+    in the parameters' places while it captures, and the eager code after the graph must see the real parameter.
     """
 
     def __init__(self, target: nn.Module, scope: str) -> None:
@@ -355,7 +355,7 @@ def _check_model(model: nn.Module, layers: Sequence[nn.Module]) -> None:
         )
     if getattr(config, "gradient_accumulation_fusion", False):
         # The fused wgrad GEMM adds into param.main_grad inside the layer's backward, so inside the graph: it
-        # reads main_grad off the parameter the capture runs on (the engine's stand-in, which has none), adds into
+        # reads main_grad off the parameter the capture runs on (the engine's proxy, which has none), adds into
         # the real buffer at every warm-up, and sets grad_added_to_main_grad, a Python flag no replay sets again.
         raise NotImplementedError(
             "graph_transformer_layers: gradient_accumulation_fusion=True adds weight grads into main_grad inside "

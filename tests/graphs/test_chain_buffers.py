@@ -1,7 +1,7 @@
 """A chained stack's hidden-state grad buffers (``packgraph.graphs.memory``), on the CPU stand-in, against eager.
 
-The stand-in keeps the slots allocated but fills them with NaN whenever the engine gives them back (before a
-forward), so a graph that read a slot across a forward would show NaNs here, where CUDA would read whatever the
+The stand-in keeps the buffers allocated but fills them with NaN whenever the engine gives them back (before a
+forward), so a graph that read a buffer across a forward would show NaNs here, where CUDA would read whatever the
 memory held.
 """
 
@@ -41,11 +41,11 @@ def test_the_last_layer_reads_its_output_grad_from_a_chained_buffer():
     writes its input grad into slot 0, and so on down the stack."""
     layers, graphed = _stack()
     group = graphed[0].group
-    assert len(group.slots.records()) == 2
-    statics = {id(r.static) for r in group.slots.records()}
+    assert len(group.chain_buffers.records()) == 2
+    statics = {id(r.static) for r in group.chain_buffers.records()}
     last = _entry(graphed[-1])
     assert id(last.bwd.static_grad_outputs[0]) in statics
-    writes = [next(iter(_entry(g).bwd.chain_records.values())).owner[-1] for g in graphed[1:]]
+    writes = [next(iter(_entry(g).bwd.chain_records.values())).writer[-1] for g in graphed[1:]]
     assert writes == [0, 1, 0]  # layers 1, 2, 3: layer 3 writes slot 0, layer 2 slot 1, layer 1 slot 0
     for seed in range(3):
         got = _step(graphed, layers, seed)
@@ -54,16 +54,16 @@ def test_the_last_layer_reads_its_output_grad_from_a_chained_buffer():
             torch.testing.assert_close(g, w)
 
 
-def test_slots_are_given_back_at_a_forward_unless_a_grad_on_them_is_held():
+def test_buffers_are_given_back_at_a_forward_unless_a_grad_on_them_is_held():
     layers, graphed = _stack()
-    slots = graphed[0].group.slots
+    buffers = graphed[0].group.chain_buffers
     _step(graphed, layers, 1)
     graphed[0](_x(2), SIG)  # a forward: the stack's backward is over, nothing held
-    assert all(torch.isnan(r.static).all() for r in slots.records())
+    assert all(torch.isnan(r.static).all() for r in buffers.records())
     kept = []
     got = _step(graphed, layers, 3, keep=kept)  # a hook keeps the grad layer 2 wrote into a slot
     graphed[0](_x(4), SIG)
-    assert not any(torch.isnan(r.static).any() for r in slots.records())  # still lent: the hook's grad is on one
+    assert not any(torch.isnan(r.static).any() for r in buffers.records())  # still lent: the hook's grad is on one
     want_kept = []
     want = _step(layers, layers, 3, keep=want_kept)
     for g, w in zip(got + kept, want + want_kept, strict=True):
@@ -71,4 +71,4 @@ def test_slots_are_given_back_at_a_forward_unless_a_grad_on_them_is_held():
     del g, w
     kept.clear()
     graphed[0](_x(5), SIG)
-    assert all(torch.isnan(r.static).all() for r in slots.records())
+    assert all(torch.isnan(r.static).all() for r in buffers.records())
