@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from packgraph.ops.doc_mask import doc_mask_attention
+from packgraph.ops.doc_mask import doc_mask_attention, document_block_mask
 from tests.cuda.test_ops_cuda import (
     HKV,
     HQ,
@@ -75,15 +75,29 @@ def test_matches_float64_reference_with_grads(options, pad, report):
 
 
 @pytest.mark.parametrize(
-    "tiles", ["Inductor default", "fwd 64x64 w4 s3, TMA", "fwd 64x64 w4 s3, bwd 32x64 w4 s3", "autotune"]
+    "tiles",
+    [
+        "Inductor default",
+        "fwd 64x64 w4 s3, TMA",
+        "fwd 64x64 w4 s3, bwd 32x64 w4 s3",
+        "blocks of 64, fwd 64x64 w4 s3, bwd 64x64 w4 s3",
+        "autotune",
+    ],
 )
 def test_other_kernel_tiles_match_float64_reference_with_grads(tiles, report):
     """The FlexAttention kernel under other tiles than packgraph's default (``bench --backends``' tile study times
-    them): Inductor's default, TMA loads with fixed forward tiles, and max-autotune's choice. Only the schedule
-    changes: outputs, grads and dead rows as with the default."""
+    them): Inductor's default, TMA loads with fixed forward tiles, other backward tiles, a block mask of 64-row
+    blocks, and max-autotune's choice. Only the schedule changes: outputs, grads and dead rows as with the
+    default."""
     from packgraph.bench.backends import FLEX_TILES
 
-    compiled = functools.partial(doc_mask_attention, compiled=True, **FLEX_TILES[tiles])
+    options = dict(FLEX_TILES[tiles])
+    block_size = options.pop("block_size", 128)
+
+    def compiled(q, k, v, params):
+        mask = document_block_mask(params, q.shape[0], q.device, compiled=True, block_size=block_size)
+        return doc_mask_attention(q, k, v, params, compiled=True, mask=mask, **options)
+
     errors = []
     for i, lengths in enumerate(packings(3, seed=11, pad=1)):
         params = make_params(lengths, 1)

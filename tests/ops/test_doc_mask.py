@@ -49,6 +49,20 @@ def test_equals_the_reference(layout, heads, options):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_a_mask_of_other_block_sizes_gives_the_same_values(block_size):
+    """The block size changes which blocks the kernel skips, never which pairs it attends: the reference's values,
+    in every layout (T=80 is no multiple of 64: the last block is partial)."""
+    for layout in LAYOUTS:
+        q, k, v, params = _case(layout, 4, 2)
+        mask = document_block_mask(params, T, torch.device("cpu"), window=(7, 0), block_size=block_size)
+        assert tuple(mask[0].BLOCK_SIZE) == (block_size, block_size)
+        with torch.no_grad():
+            got = doc_mask_attention(q, k, v, params, window=(7, 0), mask=mask)
+        want = varlen_attention_reference(q, k, v, params, window=(7, 0))
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=layout)
+
+
 def test_dead_rows_are_exact_zeros_and_no_other_document_leaks_in():
     q, k, v, params = _case("padded", 4, 2)
     live = torch.zeros(T, dtype=torch.bool)

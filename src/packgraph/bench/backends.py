@@ -117,8 +117,10 @@ def _flex_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: PackedSeqParams, **options: Any
 ) -> Callable[[], torch.Tensor]:
     """The document mask's attention on a block mask built now, once (compiled on CUDA, as the backend runs it);
-    ``options``: ``kernel_options`` or ``autotune`` of :func:`~packgraph.ops.doc_mask.doc_mask_attention`."""
-    mask = document_block_mask(params, q.shape[0], q.device, compiled=q.is_cuda)
+    ``options``: the mask's ``block_size``, and ``kernel_options`` or ``autotune`` of
+    :func:`~packgraph.ops.doc_mask.doc_mask_attention`."""
+    block_size = options.pop("block_size", 128)
+    mask = document_block_mask(params, q.shape[0], q.device, compiled=q.is_cuda, block_size=block_size)
     return lambda: doc_mask_attention(q, k, v, params, compiled=q.is_cuda, mask=mask, **options)
 
 
@@ -296,13 +298,18 @@ FLEX_TILES: dict[str, dict[str, Any]] = {
     "fwd 64x64 w4 s3, bwd 64x64 w4 s3": {"kernel_options": {**_FWD, **_tiles(64, 64, 4, 3, backward=True)}},
     "fwd 64x64 w4 s3, bwd 32x64 w4 s3": {"kernel_options": {**_FWD, **_tiles(32, 64, 4, 3, backward=True)}},
     "fwd 64x64 w4 s3, bwd 64x64 w4 s4": {"kernel_options": {**_FWD, **_tiles(64, 64, 4, 4, backward=True)}},
+    "blocks of 64, fwd 64x64 w4 s3, bwd 64x64 w4 s3": {
+        "kernel_options": {**_FWD, **_tiles(64, 64, 4, 3, backward=True)},
+        "block_size": 64,
+    },
     "autotune": {"autotune": True},
 }
 """The document mask's kernel choices :func:`flex_tiles` times: packgraph's default (:func:`~packgraph.ops.doc_mask.
 default_tiles`); Inductor's default for the GPU, dtype and head size; the forward tiles packgraph picks on sm90
 (``BLOCK_M`` queries x ``BLOCK_N`` keys, warps, pipeline stages), alone, with loads by the Hopper tensor memory
 accelerator (``USE_TMA``, off by default on CUDA in torch 2.11), and with three backward tilings from Inductor's
-autotuning candidates (its sm90 default for head sizes 64-128 is 64 x 128 with 8 warps); and
+autotuning candidates (its sm90 default for head sizes 64-128 is 64 x 128 with 8 warps), one of them on a block
+mask of 64 x 64 blocks instead of 128 x 128 (less work in the blocks that straddle two documents); and
 ``mode="max-autotune-no-cudagraphs"``, which times Inductor's candidates at the first call. The forward tilings of
 an earlier study (128 x 64, 128 x 128, TMA alone) are in bench/results/2026-12-03-h200-backends-tiles/."""
 

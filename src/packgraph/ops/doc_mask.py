@@ -60,26 +60,34 @@ def document_block_mask(
     causal: bool = True,
     window: tuple[int, int] | None = None,
     compiled: bool = False,
+    block_size: int = 128,
 ) -> tuple[Any, Tensor]:
     """The FlexAttention block mask of a packed stream of ``total`` rows, and its live rows (bool ``[total]``).
 
     A query row sees the keys of its own document only (causal and ``window`` as in ``varlen_attention``); rows of no
     document see nothing. Built on ``device`` from the offsets, with no host read; ``compiled`` builds it with
     ``create_block_mask`` under torch.compile (eagerly it evaluates the mask at every (query, key) pair); inside a
-    caller's torch.compile the caller's graph then breaks here, as at :func:`doc_mask_attention`.
+    caller's torch.compile the caller's graph then breaks here, as at :func:`doc_mask_attention`. ``block_size``:
+    the rows and keys of one block (FlexAttention's ``BLOCK_SIZE``); the kernel's tiles must divide it (its default
+    backward tiles on sm90, 64 x 128, need 128).
     """
     if compiled:
-        return _compiled_mask(packed_seq_params, total, device, causal, window)
+        return _compiled_mask(packed_seq_params, total, device, causal, window, block_size)
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return _block_mask(packed_seq_params, total, device, causal, window, create_block_mask)
+    return _block_mask(packed_seq_params, total, device, causal, window, create_block_mask, block_size)
 
 
 @torch.compiler.disable(reason="packgraph's document mask compiles its pieces apart (doc_mask_attention)")
 def _compiled_mask(
-    params: PackedSeqParams, total: int, device: torch.device, causal: bool, window: tuple[int, int] | None
+    params: PackedSeqParams,
+    total: int,
+    device: torch.device,
+    causal: bool,
+    window: tuple[int, int] | None,
+    block_size: int = 128,
 ) -> tuple[Any, Tensor]:
-    return _block_mask(params, total, device, causal, window, _compiled("create_block_mask"))
+    return _block_mask(params, total, device, causal, window, _compiled("create_block_mask"), block_size)
 
 
 def _block_mask(
@@ -89,6 +97,7 @@ def _block_mask(
     causal: bool,
     window: tuple[int, int] | None,
     build: Callable[..., Any],
+    block_size: int,
 ) -> tuple[Any, Tensor]:
     # The rows' slots are computed here, outside any compiled region, and enter the mask's closure as tensors:
     # Inductor cannot render a mask_mod that indexes one of its own intermediates ("convert FlexibleLayout to
@@ -106,7 +115,7 @@ def _block_mask(
             keep = keep & (ki - qi <= right)
         return keep
 
-    return build(mask_mod, 1, None, total, total, device=device), live
+    return build(mask_mod, 1, None, total, total, device=device, BLOCK_SIZE=block_size), live
 
 
 # Measured on the H200 (sm90, bf16, torch 2.11, T=8192; bench/results/2026-12-03-h200-backends-tiles/): Inductor's
