@@ -163,6 +163,86 @@ def call_with_forward(module: nn.Module, forward: Callable, *args: Any, **kwargs
             module.forward = previous
 
 
+class ModuleTree:
+    """The module a callable's graphs are captured from, as they read it: every submodule (each one's train/eval
+    flag is static: a Dropout switched to eval alone changes the graph), every parameter and buffer at its address,
+    and a snapshot of each table of submodules, parameters, buffers and hooks, which :meth:`changed` checks at every
+    call, on the host.
+
+    ``copies_params`` (FSDP2): the graphs read static copies of the parameters (:meth:`param_copies`), whose own
+    addresses move at every gather, so only the buffers' are checked. ``on_adopt(param)`` becomes a
+    post-accumulate-grad hook of every parameter that requires grad, removed with the tree or at the next scan.
+    """
+
+    def __init__(
+        self, module: nn.Module | None, *, copies_params: bool, on_adopt: Callable[[Tensor], None] | None
+    ) -> None:
+        self.module = module
+        self.copies_params = copies_params
+        self.on_adopt = on_adopt
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        weakref.finalize(self, _remove_hooks, self._hooks)
+        self.scan()
+
+    def scan(self) -> None:
+        """Take the snapshot anew (after a change the caller has dealt with)."""
+        self.submodules = list(self.module.modules()) if self.module is not None else []
+        places, params, seen, checked = [], [], set(), []
+        tables = [table for mod in self.submodules for table in _tree_tables(mod)]
+        entries = [(table, key, value) for table in tables for key, value in table.items()]
+        for mod in self.submodules:
+            for table, is_param in ((mod._parameters, True), (mod._buffers, False)):
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    places.append((table, name, t, t.data_ptr()))
+                    if not (is_param and self.copies_params):
+                        checked.append((t, t.data_ptr()))
+                    if is_param and id(t) not in seen:
+                        seen.add(id(t))
+                        params.append(t)
+        self.places: list[tuple[dict, str, Tensor, int]] = places  # (table, name, tensor, data_ptr)
+        self.params: list[Tensor] = params
+        # Checked at every call with C-level maps (a model's tree has hundreds of tables). The snapshot holds the
+        # values themselves, so identity means what it meant at capture.
+        self._tables = (tables, list(map(len, tables)), *(list(column) for column in zip(*entries, strict=True)))
+        self._tensors = ([t for t, _ in checked], [ptr for _, ptr in checked])
+        self._param_copies: dict[int, Tensor] = {}
+        _remove_hooks(self._hooks)
+        if self.on_adopt is not None:  # (a parameter unfrozen later is found through its .grad)
+            self._hooks += [p.register_post_accumulate_grad_hook(self.on_adopt) for p in params if p.requires_grad]
+
+    def changed(self) -> bool:
+        """Whether a submodule, parameter, buffer or hook was added, removed or replaced since :meth:`scan`, or a
+        parameter or buffer moved to new memory."""
+        tables, lengths, *entries = self._tables
+        if list(map(len, tables)) != lengths:
+            return True
+        if entries:
+            holders, keys, values = entries
+            try:
+                if not all(map(operator.is_, map(operator.getitem, holders, keys), values)):
+                    return True
+            except KeyError:  # a key removed and another added
+                return True
+        tensors, ptrs = self._tensors
+        return list(map(Tensor.data_ptr, tensors)) != ptrs
+
+    def param_copies(self) -> dict[int, Tensor]:
+        """With ``copies_params``: ``id(parameter) -> `` the static copy the graphs read instead (a leaf, of the
+        parameter's class and ``requires_grad``), one per parameter for every signature of the callable."""
+        for p in self.params:
+            copy = self._param_copies.get(id(p))
+            if copy is None or copy.shape != p.shape or copy.dtype != p.dtype or copy.requires_grad != p.requires_grad:
+                copy = p.detach().clone()
+                # of the parameter's class, as proxy_leaf makes them: code may check for Parameter
+                is_param = isinstance(p, nn.Parameter)
+                self._param_copies[id(p)] = (
+                    nn.Parameter(copy, p.requires_grad) if is_param else copy.requires_grad_(p.requires_grad)
+                )
+        return self._param_copies
+
+
 class GraphedCallable:
     """A callable (module or function) replayed from CUDA graphs; build it with :func:`capture`.
 
@@ -200,7 +280,6 @@ class GraphedCallable:
         self.copies_params = self.fsdp is not None
         if self.fsdp == "unit" and self.fn is self.module:
             self.fn = self.module.forward
-        self._param_copies: dict[int, Tensor] = {}
         # A chained stack replays only on the CUDA stream it was recorded on (_check_stream).
         stream = group.recorder.stream
         self._recorded_on = stream if group.chain else None
@@ -228,65 +307,22 @@ class GraphedCallable:
         self._chain_of = None if registry is None else (lambda t: registry.lookup(t, self.uid))
         self._device_type = group.recorder.device_type
         self.grad_records: dict[int, Handout] = {}  # id(param) -> the record of the grad last handed out for it
-        self._hooks: list[Any] = []  # refilled by each _scan_tree; removed with this callable
-        weakref.finalize(self, _remove_hooks, self._hooks)
-        self._scan_tree()
+        # Without a storage swap, holders are moved one by one: a hook tells the book which tensor AccumulateGrad
+        # adopted as a first .grad (kept by the caller after zero_grad, say).
+        adopted = None if forward_only or memory.SWAP_DATA_PTR else functools.partial(_adopted, weakref.ref(self))
+        self.tree = ModuleTree(self.module, copies_params=self.copies_params, on_adopt=adopted)
 
     # ---------------------------------------------------------------- parameters
-    def _scan_tree(self) -> None:
-        """The module tree the graphs are captured from: every submodule (each one's train/eval flag is static: a
-        Dropout switched to eval alone changes the graph), every parameter and buffer with its address, and a
-        snapshot of each table of submodules, parameters, buffers and hooks, checked at every call."""
-        self._submodules = list(self.module.modules()) if self.module is not None else []
-        places, params, seen, checked = [], [], set(), []
-        tables = [table for mod in self._submodules for table in _tree_tables(mod)]
-        entries = [(table, key, value) for table in tables for key, value in table.items()]
-        for mod in self._submodules:
-            for table, is_param in ((mod._parameters, True), (mod._buffers, False)):
-                for name, t in table.items():
-                    if t is None:
-                        continue
-                    places.append((table, name, t, t.data_ptr()))
-                    # Copied parameters move at every FSDP2 gather: only the buffers' addresses are the graphs'.
-                    if not (is_param and self.copies_params):
-                        checked.append((t, t.data_ptr()))
-                    if is_param and id(t) not in seen:
-                        seen.add(id(t))
-                        params.append(t)
-        self._places = places
-        # Checked at every call with C-level maps (a model's tree has hundreds of tables). The snapshot holds the
-        # values themselves, so identity means what it meant at capture.
-        self._tree = (tables, list(map(len, tables)), *(list(column) for column in zip(*entries, strict=True)))
-        self._tensors = ([t for t, _ in checked], [ptr for _, ptr in checked])
-        self.params = params
-        self._param_copies = {}
-        _remove_hooks(self._hooks)
-        if not self.forward_only and not memory.SWAP_DATA_PTR:
-            # Without a storage swap, holders are moved one by one: the hook tells the book which tensor
-            # AccumulateGrad adopted as a first .grad (kept by the caller after zero_grad, say).
-            me = weakref.ref(self)
-            hook = functools.partial(_adopted, me)  # (a parameter unfrozen later is found through its .grad)
-            self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
-
-    def _tree_changed(self) -> bool:
-        tables, lengths, *entries = self._tree
-        if list(map(len, tables)) != lengths:
-            return True
-        if entries:
-            owners, keys, values = entries
-            try:
-                if not all(map(operator.is_, map(operator.getitem, owners, keys), values)):
-                    return True
-            except KeyError:  # a key removed and another added
-                return True
-        tensors, ptrs = self._tensors
-        return list(map(Tensor.data_ptr, tensors)) != ptrs
+    @property
+    def params(self) -> list[Tensor]:
+        """The module's parameters, in module order (each once)."""
+        return self.tree.params
 
     def _frozen(self) -> tuple[int, ...]:
         """Indices of the parameters that do not require grad now (part of the signature). Also checks, on the
         host, that the module tree is the one the graphs were captured from: the same submodules, parameters,
         buffers and hooks, and every parameter and buffer at the same address."""
-        if self._tree_changed():
+        if self.tree.changed():
             self._rebind()
         return tuple(i for i, p in enumerate(self.params) if not p.requires_grad)
 
@@ -297,7 +333,7 @@ class GraphedCallable:
         self.buffers.clear()
         for writer in (self.uid, *map(id, dropped)):
             self.group.handouts.forget_writer(writer)
-        self._scan_tree()
+        self.tree.scan()
         # A part's parameters swap between shards and gathered tensors at every call; a callable graphed with
         # plain parameters that FSDP2 holds now would read storage FSDP2 frees.
         if self.fsdp is None and self.module is not None:
@@ -319,22 +355,10 @@ class GraphedCallable:
             )
 
     def param_places(self) -> list[tuple[dict, str, Tensor, int]]:
-        """``(table, name, tensor, data_ptr)`` of every parameter and buffer slot of the module."""
-        return self._places
+        return self.tree.places
 
     def param_copies(self) -> dict[int, Tensor]:
-        """With ``copies_params``: ``id(parameter) -> `` the static copy the graphs read instead (a leaf, of the
-        parameter's class and ``requires_grad``), one per parameter for every signature of this callable."""
-        for p in self.params:
-            copy = self._param_copies.get(id(p))
-            if copy is None or copy.shape != p.shape or copy.dtype != p.dtype or copy.requires_grad != p.requires_grad:
-                copy = p.detach().clone()
-                # of the parameter's class, as proxy_leaf makes them: code may check for Parameter
-                is_param = isinstance(p, nn.Parameter)
-                self._param_copies[id(p)] = (
-                    nn.Parameter(copy, p.requires_grad) if is_param else copy.requires_grad_(p.requires_grad)
-                )
-        return self._param_copies
+        return self.tree.param_copies()
 
     def trainable_now(self) -> list[Tensor]:
         """The parameters a capture made now trains: those that require grad (none when forward-only)."""
@@ -365,8 +389,8 @@ class GraphedCallable:
         frozen = self._frozen()
         args_key, kwargs_key, dyn = flatten_call(args, kwargs, self.group.preparer, self._chain_of)
         training = None
-        if self._submodules:
-            flags = tuple(m.training for m in self._submodules)
+        if self.tree.submodules:
+            flags = tuple(m.training for m in self.tree.submodules)
             # One bool when the whole module agrees (the usual case, and the readable one in error messages).
             training = flags[0] if len(set(flags)) == 1 else flags
         autocast = autocast_state(self._device_type)
