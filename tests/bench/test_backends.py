@@ -62,3 +62,18 @@ def test_the_cli_takes_the_packing_count_and_skips_the_tile_study(tmp_path):
     assert code == 0
     doc = json.loads((tmp_path / "backends.json").read_text())
     assert {r["packing"] for r in doc["rows"]} == {0} and len(doc["rows"]) == 5 and doc["tiles"] == []
+
+
+def test_the_tile_plot_draws_each_timed_choice_and_skips_failed_ones(tmp_path):
+    from packgraph.bench.plots import plot_tiles
+
+    rows = [
+        dict(T=8192, mix=mix, head_dim=d, backend=backend, tiles=tiles, fwdbwd_ms=ms)
+        for d in (64, 128)
+        for mix in ("corpus", "short")
+        for backend, tiles, ms in [("flash", "-", 2.0), ("doc_mask-kernel", "a", 1.5), ("doc_mask-kernel", "b", 2.5)]
+    ] + [dict(T=8192, mix="corpus", head_dim=64, backend="doc_mask-kernel", tiles="c", error="OutOfResources")]
+    path = plot_tiles(rows, tmp_path / "tiles.png")
+    assert path == tmp_path / "tiles.png" and path.stat().st_size > 10_000
+    failed_only = [r for r in rows if "error" in r]
+    assert plot_tiles(failed_only, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()

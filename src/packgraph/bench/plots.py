@@ -8,7 +8,7 @@ from typing import Any
 
 from packgraph.bench.report import METHOD_ORDER, record_key, sort_records
 
-__all__ = ["have_matplotlib", "plot_attention", "plot_results", "plot_steps"]
+__all__ = ["have_matplotlib", "plot_attention", "plot_results", "plot_steps", "plot_tiles"]
 
 
 def have_matplotlib() -> bool:
@@ -93,6 +93,40 @@ def plot_attention(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | None
         ax.set_title(f"varlen attention, T={T}, head_dim={head_dim}")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_tiles(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
+    """The tile study of ``bench --backends``: forward+backward ms of the document mask's kernel under each tile
+    choice, one bar group per mix, one panel per head size, FA2 (``flash``) as a black line over its group. A
+    choice that failed has no bar. None without rows or matplotlib."""
+    timed = [r for r in rows if r.get("fwdbwd_ms") is not None]
+    if not timed or not have_matplotlib():
+        return None
+    plt = _pyplot()
+    head_dims = sorted({r["head_dim"] for r in timed})
+    mixes = list(dict.fromkeys(r["mix"] for r in timed))
+    names = list(dict.fromkeys(r["tiles"] for r in timed if r["backend"] != "flash"))
+    fig, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4.5), squeeze=False)
+    width = 0.8 / max(len(names), 1)
+    for ax, head_dim in zip(axes[0], head_dims, strict=True):
+        ms = {(r["mix"], r["tiles"], r["backend"]): r["fwdbwd_ms"] for r in timed if r["head_dim"] == head_dim}
+        for k, name in enumerate(names):
+            xs = [i - 0.4 + (k + 0.5) * width for i, mix in enumerate(mixes) if (mix, name, "doc_mask-kernel") in ms]
+            ys = [ms[(mix, name, "doc_mask-kernel")] for mix in mixes if (mix, name, "doc_mask-kernel") in ms]
+            ax.bar(xs, ys, width=width, label=name)
+        for i, mix in enumerate(mixes):
+            if (mix, "-", "flash") in ms:
+                ax.hlines(ms[(mix, "-", "flash")], i - 0.45, i + 0.45, colors="black", linewidth=1.5)
+        T = timed[0]["T"]
+        ax.set_xticks(range(len(mixes)), mixes)
+        ax.set_ylabel("forward+backward ms")
+        ax.set_title(f"document mask, T={T}, head size {head_dim} (black: FA2)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][-1].legend(fontsize="x-small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

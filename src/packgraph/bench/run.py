@@ -442,6 +442,13 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
     if kernels:
         tables += "\nKernels of one forward+backward, FA2 through packgraph and bare:\n\n" + kernels_markdown(kernels)
     (out / "backends.md").write_text(tables)
+    if tiles:
+        from packgraph.bench.plots import plot_tiles
+
+        try:
+            plot_tiles(tiles, out / "tiles.png")
+        except Exception as exc:  # a plotting problem must not lose the measurements (already written)
+            print(f"warning: tiles.png not written: {error_line(exc)}", file=sys.stderr)
     print(tables)
     print(f"wrote {out}/backends.json and backends.md in {time.perf_counter() - started:.0f} s")
     return 0 if any(r.get("fwd_ms") is not None for r in rows) else 1
