@@ -20,6 +20,7 @@ runs files in parallel, and all five cases in one process made this the longest 
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,15 +46,10 @@ CASES = [("llama", "float32", "attn"), ("llama", "float32", "layer"), ("gemma3",
 def _cases(out: str, families: list[str]) -> None:
     """Run in a fresh process: the three trainings of each case of ``families`` (module docstring); writes a JSON to
     ``out``."""
-    import os
     import time
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    # Liger's fused MoE backward adds the routing weights' grad over the intermediate dimension's tiles by float
-    # atomics, in the order the tiles finish, and its autotuner picks the tile width by timing (on a shared GPU,
-    # either). Pinned to one config, BLOCK_N 128, this config's 256 intermediate columns are two tiles: two partial
-    # sums added to zero give the same bits in either order, so the reference training is deterministic.
-    os.environ["LIGER_FUSED_MOE_AUTOTUNE"] = "0"
+    assert os.environ.get("LIGER_FUSED_MOE_AUTOTUNE") == "0", "run_cases sets it before the process imports Liger"
     import transformers
 
     from packgraph.buckets import default_buckets
@@ -135,7 +131,13 @@ def run_cases(tmp_path_factory, families: list[str]) -> dict:
     """The trainings of ``families``' cases, in a process of their own."""
     out = tmp_path_factory.mktemp("liger") / "runs.json"
     code = f"from tests.cuda.test_liger_cuda import _cases; _cases({str(out)!r}, {families!r})"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # Liger's fused MoE backward adds the routing weights' grad over the intermediate dimension's tiles by float
+    # atomics, in the order the tiles finish, and its autotuner picks the tile width by timing (on a shared GPU,
+    # either). Pinned to one config (read when Liger's module is imported), BLOCK_N 128, this config's 256
+    # intermediate columns are two tiles: two partial sums added to zero give the same bits in either order, so
+    # the reference training is deterministic.
+    env = {**os.environ, "LIGER_FUSED_MOE_AUTOTUNE": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
