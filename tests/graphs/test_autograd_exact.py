@@ -127,6 +127,41 @@ def test_parameters_frozen_and_unfrozen_after_capture():
     assert graphed.num_graphs == 3
 
 
+def test_a_chained_stack_head_frozen_for_a_step_then_unfrozen_trains_as_eager():
+    """Freezing a parameter of the stack's first layer changes its signature only, so the stack is captured again
+    and the later layers' graphs of that signature replaced. The head's graph of the unfrozen signature ran with the
+    replaced ones; replayed beside the new ones (captured in the pool after its activations went back to it), it
+    would be overwritten by them: once unfrozen, the stack trains as eager does, with one micro-batch or two
+    (found by a random schedule: this raised GraphOrderError at the first step after unfreezing)."""
+    policy = default_buckets(T)
+    layers = [_block(seed) for seed in range(3)]
+    graphed = capture_layers_with(EagerRecorder(), layers, (_x(0), _params([12, 3])), buckets=policy)
+    head = layers[0].mlp.down.weight
+
+    def step(stack, seed, batches):
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        outs = []
+        for k, lengths in enumerate(batches):
+            h = _x(seed + k)
+            for layer in stack:
+                h = layer(h, _params(lengths))
+            _loss(h).backward()
+            outs.append(h.detach().clone())
+        return outs, [_grads(layer) for layer in layers]
+
+    schedule = [(1, False, [[12, 3]]), (2, True, [[12, 3]]), (3, False, [[12, 3]]),
+                (4, False, [[12, 3], [10, 20, 5]]), (5, True, [[40]]), (6, False, [[40], [7]])]  # fmt: skip
+    for seed, frozen, batches in schedule:
+        head.requires_grad_(not frozen)
+        got, want = step(graphed, seed, batches), step(layers, seed, batches)
+        for a, b in zip(got[0], want[0], strict=True):
+            torch.testing.assert_close(a, b, msg=f"step {seed}")
+        for a, b in zip(got[1], want[1], strict=True):
+            _same_grads(a, b)
+    assert graphed[0].num_graphs < graphed[0].captures  # the head's stale graphs were dropped, not kept
+
+
 # ------------------------------------------------------------------------------------------------ 3: host offsets
 def test_a_reassigned_cu_seqlens_is_not_bucketed_from_stale_host_offsets():
     policy = default_buckets(2048)

@@ -15,7 +15,7 @@ import itertools
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from torch import Tensor
@@ -171,6 +171,10 @@ class GraphCache(Generic[E]):
             )
             evicted.append(old)
         return evicted
+
+    def discard(self, keys: Iterable[CallSignature]) -> list[E]:
+        """Drop the entries of ``keys`` (those present); return them (caller releases them)."""
+        return [entry for key in list(keys) if (entry := self._entries.pop(key, None)) is not None]
 
     def clear(self) -> list[E]:
         """Drop every entry; return them (caller releases them)."""

@@ -60,7 +60,7 @@ import functools
 import operator
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -410,7 +410,25 @@ class GraphedCallable:
         entry = self.cache.get(key)
         if entry is None:
             entry = self._recapture(key, args, kwargs)
+        elif torch.is_grad_enabled() and entry.fwd.trains and self._overlaps_a_pending_graph(entry):
+            entry = self._recapture_apart(args, kwargs)
         return entry.run(dyn)
+
+    def _overlaps_a_pending_graph(self, entry: Entry) -> bool:
+        """Whether replaying ``entry``'s forward would overwrite what another callable's graph whose backward is
+        pending still needs: graphs of one pool that were captured in another order than they now run (a stack
+        whose layers' signatures changed at different times: one layer's train/eval flag, a frozen parameter)."""
+        found = memory.in_flight_overlap(entry, entry.fwd.seq, "forward")
+        return found is not None and found[0] == "pool"
+
+    def _recapture_apart(self, args: tuple, kwargs: dict) -> Entry:
+        """Capture this call's signature again, in a pool of its own, replacing its graph: eager runs the call,
+        so the engine does, where the old graph's replay would overwrite a pending graph's memory."""
+        (entry,) = _capture_stack([self], args, kwargs, backward=False, apart=True)
+        self.recaptures += 1
+        self._insert(entry)
+        logger.info("%s: captured again apart: its graph would overwrite a graph whose backward is pending", self.name)
+        return entry
 
     def _check_stream(self) -> None:
         recorded = self._recorded_on
@@ -521,10 +539,27 @@ class GraphedCallable:
 
     def _recapture_stack(self, stack: list[GraphedCallable], args: tuple, kwargs: dict) -> Entry:
         entries = _capture_stack(stack, args, kwargs)
+        replaced = any(entry.key in g.cache for g, entry in zip(stack[1:], entries[1:], strict=True))
         for g, entry in zip(stack, entries, strict=True):
             g.recaptures += 1
             g._insert(entry)
+        if replaced:
+            # The later layers' graphs of these signatures were replaced: only the head's signature changed (a
+            # parameter of it frozen, say). The head's older graphs ran with the replaced ones; beside the new ones,
+            # captured in the same pool after those graphs' activations went back to it, a replay would overwrite
+            # them (GraphOrderError). They go, and a call that needs one captures the stack again, as a new
+            # signature does.
+            self._drop(e for e in self.cache.values() if e is not entries[0] and not e.in_flight)
         return entries[0]
+
+    def _drop(self, stale: Iterable[Entry]) -> None:
+        dropped = self.cache.discard([e.key for e in stale])
+        for old in dropped:
+            old.release()
+            self.group.handouts.forget_writer(id(old))
+        if dropped:
+            self.buffers.keep_only(self.cache.values())
+            logger.info("%s: dropped %d graphs that ran with the stack's replaced graphs", self.name, len(dropped))
 
     def _insert(self, entry: Entry) -> None:
         opaque = identity_statics(entry.key)

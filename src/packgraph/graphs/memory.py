@@ -147,6 +147,7 @@ __all__ = [
     "SWAP_DATA_PTR",
     "SharedBuffers",
     "check_replay_order",
+    "in_flight_overlap",
     "fits",
     "freed_at",
     "preserve_version",
@@ -175,9 +176,31 @@ def preserve_version(t: Tensor) -> contextlib.AbstractContextManager:
 def check_replay_order(entry: Entry, seq: int | None, what: str) -> None:
     """Raise :class:`GraphOrderError` if replaying ``entry``'s graph recorded at capture number ``seq`` could
     overwrite memory of a graph of the group whose backward has not run yet (module docstring)."""
-    flights = entry.owner.group.in_flight
-    if not flights:
+    found = in_flight_overlap(entry, seq, what)
+    if found is None:
         return
+    why, other = found
+    if why == "again":
+        raise GraphOrderError(
+            f"{entry.owner.name}: forward replayed again while the backward of its previous replay is still "
+            "pending; the replay would overwrite the activations that backward needs. Run the backward first "
+            "(or drop the outputs you will not differentiate), call forwards that need no backward under "
+            "torch.no_grad() only once no backward is pending, or run this call eagerly."
+        )
+    raise GraphOrderError(
+        f"{entry.owner.name}: replaying this {what} graph now could overwrite the saved activations or "
+        f"outputs of {other.owner.name} (a graph of the same memory pool{' and buffers' * (why == 'buffers')}), "
+        "whose forward ran and whose backward has not. Run that backward first, or wrap forwards that "
+        "need no backward in torch.no_grad()."
+    )
+
+
+def in_flight_overlap(entry: Entry, seq: int | None, what: str) -> tuple[str, Entry] | None:
+    """The first graph of the group whose backward has not run and whose memory a replay of ``entry``'s graph
+    recorded at ``seq`` may write, and why: ``"again"`` (``entry`` itself, replayed forward again), ``"buffers"``
+    (another signature of the same callable: they share buffers) or ``"pool"`` (captured in one pool in another
+    order than they run). None when the replay is safe."""
+    flights = entry.owner.group.in_flight
     for key, other in list(flights.items()):
         if not other.in_flight:  # its autograd graph was dropped: its backward will never run
             del flights[key]
@@ -185,23 +208,15 @@ def check_replay_order(entry: Entry, seq: int | None, what: str) -> None:
         if other is entry:
             if what == "backward":
                 continue
-            raise GraphOrderError(
-                f"{entry.owner.name}: forward replayed again while the backward of its previous replay is still "
-                "pending; the replay would overwrite the activations that backward needs. Run the backward first "
-                "(or drop the outputs you will not differentiate), call forwards that need no backward under "
-                "torch.no_grad() only once no backward is pending, or run this call eagerly."
-            )
+            return "again", other
         same_buffers = other.owner is entry.owner and entry.owner.share_activations
         if not same_buffers and other.pool is not entry.pool:
             continue
-        later = seq is not None and (other.fwd.seq > seq or freed_at(other) < seq)
-        if same_buffers or later:
-            raise GraphOrderError(
-                f"{entry.owner.name}: replaying this {what} graph now could overwrite the saved activations or "
-                f"outputs of {other.owner.name} (a graph of the same memory pool{' and buffers' * same_buffers}), "
-                "whose forward ran and whose backward has not. Run that backward first, or wrap forwards that "
-                "need no backward in torch.no_grad()."
-            )
+        if same_buffers:
+            return "buffers", other
+        if seq is not None and (other.fwd.seq > seq or freed_at(other) < seq):
+            return "pool", other
+    return None
 
 
 def freed_at(entry: Entry) -> float:
