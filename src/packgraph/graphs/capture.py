@@ -69,7 +69,7 @@ from torch import Tensor, nn
 from packgraph.graphs import memory
 from packgraph.graphs.cache import CaptureGroup, GraphCache, logger
 from packgraph.graphs.entry import Entry, explained_capture_errors
-from packgraph.graphs.memory import Handout, Pool, SharedBuffers
+from packgraph.graphs.memory import GraphOrderError, Handout, Pool, SharedBuffers
 from packgraph.graphs.recorder import Recorder, recorder_for
 from packgraph.graphs.signature import (
     CallSignature,
@@ -410,20 +410,19 @@ class GraphedCallable:
         entry = self.cache.get(key)
         if entry is None:
             entry = self._recapture(key, args, kwargs)
-        elif torch.is_grad_enabled() and entry.fwd.trains and self._overlaps_a_pending_graph(entry):
-            entry = self._recapture_apart(args, kwargs)
-        return entry.run(dyn)
-
-    def _overlaps_a_pending_graph(self, entry: Entry) -> bool:
-        """Whether replaying ``entry``'s forward would overwrite what another callable's graph whose backward is
-        pending still needs: graphs of one pool that were captured in another order than they now run (a stack
-        whose layers' signatures changed at different times: one layer's train/eval flag, a frozen parameter)."""
-        found = memory.in_flight_overlap(entry, entry.fwd.seq, "forward")
-        return found is not None and found[0] == "pool"
+        try:
+            return entry.run(dyn)  # the order check comes first: a refused replay has changed nothing
+        except GraphOrderError as exc:
+            # Graphs of one pool captured in another order than they now run (a stack whose layers' signatures
+            # changed at different times: one layer's train/eval flag, a frozen parameter): eager runs the call,
+            # so the engine captures it again apart. A forward of the same callable stays refused.
+            if exc.overlap != "pool" or not torch.is_grad_enabled() or not entry.fwd.trains:
+                raise
+        return self._recapture_apart(args, kwargs).run(dyn)
 
     def _recapture_apart(self, args: tuple, kwargs: dict) -> Entry:
-        """Capture this call's signature again, in a pool of its own, replacing its graph: eager runs the call,
-        so the engine does, where the old graph's replay would overwrite a pending graph's memory."""
+        """Capture this call's signature again, in a pool of its own, replacing its graph, whose replay would
+        overwrite a graph whose backward is pending."""
         (entry,) = _capture_stack([self], args, kwargs, backward=False, apart=True)
         self.recaptures += 1
         self._insert(entry)

@@ -165,7 +165,12 @@ Unowned: TypeAlias = Callable[[torch.UntypedStorage, Pool], torch.UntypedStorage
 
 # --------------------------------------------------------------------------------------------------- the replay order
 class GraphOrderError(RuntimeError):
-    """A replay would overwrite memory that a pending backward still needs."""
+    """A replay would overwrite memory that a pending backward still needs. ``overlap``: why, as
+    :func:`in_flight_overlap` says it (None where a handout could not be moved)."""
+
+    def __init__(self, message: str, overlap: str | None = None) -> None:
+        super().__init__(message)
+        self.overlap = overlap
 
 
 def preserve_version(t: Tensor) -> contextlib.AbstractContextManager:
@@ -185,13 +190,15 @@ def check_replay_order(entry: Entry, seq: int | None, what: str) -> None:
             f"{entry.owner.name}: forward replayed again while the backward of its previous replay is still "
             "pending; the replay would overwrite the activations that backward needs. Run the backward first "
             "(or drop the outputs you will not differentiate), call forwards that need no backward under "
-            "torch.no_grad() only once no backward is pending, or run this call eagerly."
+            "torch.no_grad() only once no backward is pending, or run this call eagerly.",
+            why,
         )
     raise GraphOrderError(
         f"{entry.owner.name}: replaying this {what} graph now could overwrite the saved activations or "
         f"outputs of {other.owner.name} (a graph of the same memory pool{' and buffers' * (why == 'buffers')}), "
         "whose forward ran and whose backward has not. Run that backward first, or wrap forwards that "
-        "need no backward in torch.no_grad()."
+        "need no backward in torch.no_grad().",
+        why,
     )
 
 
