@@ -415,7 +415,8 @@ class GraphedCallable:
         except GraphOrderError as exc:
             # Graphs of one pool captured in another order than they now run (a stack whose layers' signatures
             # changed at different times: one layer's train/eval flag, a frozen parameter): eager runs the call,
-            # so the engine captures it again apart. A forward of the same callable stays refused.
+            # so the engine captures it again apart. A graph replayed again before its backward, or one sharing
+            # buffers with a pending graph, stays refused.
             if exc.overlap != "pool" or not torch.is_grad_enabled() or not entry.fwd.trains:
                 raise
         return self._recapture_apart(args, kwargs).run(dyn)
