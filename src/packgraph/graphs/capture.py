@@ -554,12 +554,18 @@ class GraphedCallable:
 
     def _drop(self, stale: Iterable[Entry]) -> None:
         dropped = self.cache.discard([e.key for e in stale])
-        for old in dropped:
+        self._let_go(dropped)
+        if dropped:
+            logger.info("%s: dropped %d graphs that ran with the stack's replaced graphs", self.name, len(dropped))
+
+    def _let_go(self, entries: list[Entry]) -> None:
+        """Entries taken out of the cache (replaced, evicted, dropped): their output tokens and the records of
+        what they handed out go, holders moved to memory of their own."""
+        for old in entries:
             old.release()
             self.group.handouts.forget_writer(id(old))
-        if dropped:
+        if entries:
             self.buffers.keep_only(self.cache.values())
-            logger.info("%s: dropped %d graphs that ran with the stack's replaced graphs", self.name, len(dropped))
 
     def _insert(self, entry: Entry) -> None:
         opaque = identity_statics(entry.key)
@@ -574,12 +580,7 @@ class GraphedCallable:
                 "is" if len(opaque) == 1 else "are",
             )
         kind = "fwd+bwd" if entry.bwd is not None else "fwd, bwd at first use" if entry.fwd.trains else "fwd"
-        evicted = self.cache.insert(entry.key, entry, seconds=entry.capture_seconds, kind=kind)
-        for old in evicted:
-            old.release()
-            self.group.handouts.forget_writer(id(old))
-        if evicted:
-            self.buffers.keep_only(self.cache.values())
+        self._let_go(self.cache.insert(entry.key, entry, seconds=entry.capture_seconds, kind=kind))
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, graphs={self.num_graphs}, captures={self.captures})"
