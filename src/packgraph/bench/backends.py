@@ -298,10 +298,6 @@ FLEX_TILES: dict[str, dict[str, Any]] = {
     "fwd 64x64 w4 s3, bwd 64x64 w4 s3": {"kernel_options": {**_FWD, **_tiles(64, 64, 4, 3, backward=True)}},
     "fwd 64x64 w4 s3, bwd 32x64 w4 s3": {"kernel_options": {**_FWD, **_tiles(32, 64, 4, 3, backward=True)}},
     "fwd 64x64 w4 s3, bwd 64x64 w4 s4": {"kernel_options": {**_FWD, **_tiles(64, 64, 4, 4, backward=True)}},
-    "blocks of 64, fwd 64x64 w4 s3, bwd 64x64 w4 s3": {
-        "kernel_options": {**_FWD, **_tiles(64, 64, 4, 3, backward=True)},
-        "block_size": 64,
-    },
     "autotune": {"autotune": True},
 }
 """The document mask's kernel choices :func:`flex_tiles` times: packgraph's default (:func:`~packgraph.ops.doc_mask.

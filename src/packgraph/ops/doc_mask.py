@@ -68,8 +68,9 @@ def document_block_mask(
     document see nothing. Built on ``device`` from the offsets, with no host read; ``compiled`` builds it with
     ``create_block_mask`` under torch.compile (eagerly it evaluates the mask at every (query, key) pair); inside a
     caller's torch.compile the caller's graph then breaks here, as at :func:`doc_mask_attention`. ``block_size``:
-    the rows and keys of one block (FlexAttention's ``BLOCK_SIZE``); the kernel's tiles must divide it (its default
-    backward tiles on sm90, 64 x 128, need 128).
+    the rows and keys of one block (FlexAttention's ``BLOCK_SIZE``); the kernel's tiles must divide it. Inductor
+    checks its *default* backward tiles against the block before it applies a caller's ``bwd_`` tiles, so a block
+    smaller than those defaults has no backward at all (torch 2.11, H200, 64: ``NoValidChoicesError``).
     """
     if compiled:
         return _compiled_mask(packed_seq_params, total, device, causal, window, block_size)
