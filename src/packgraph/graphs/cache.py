@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from torch import Tensor
 
-from packgraph.graphs.memory import ChainGradBuffers, Handout, HandoutBook
+from packgraph.graphs.memory import ChainGradBuffers, HandoutBook
 from packgraph.graphs.signature import CallSignature, ParamsPreparer, signature_diff
 from packgraph.params import PackedSeqParamsError
 
@@ -252,8 +252,8 @@ class CaptureGroup:
         chain: let a graph read another graph's static output in place (layer stacks).
 
     ``next_seq()`` numbers the group's captures in order; ``in_flight`` holds the entries whose forward replayed and
-    whose backward has not run yet, and ``handouts`` the graph memory handed out to the caller (see
-    :mod:`packgraph.graphs.memory` and :mod:`packgraph.graphs.memory` for why they matter when memory is shared).
+    whose backward has not run yet, ``handouts`` the graph memory handed out to the caller and ``chain_buffers``
+    a chained stack's grad buffers (:mod:`packgraph.graphs.memory` says why they matter).
     """
 
     def __init__(self, recorder: Recorder, preparer: ParamsPreparer, *, chain: bool = False) -> None:
@@ -270,20 +270,6 @@ class CaptureGroup:
         # Handed-out views do not keep the graphs' memory allocated: move their holders before it goes.
         weakref.finalize(self, self.handouts.settle_all)
         weakref.finalize(self, self.chain_buffers.close)
-
-    def chain_grads(self, chained: dict[int, Tensor], grad_outputs: list) -> dict[int, Handout]:
-        """The chained grad buffer of each chained input (``position -> static input``) of a backward graph that
-        reads ``grad_outputs``: the slot its output grads are not read from, so that the previous layer's backward
-        reads it while writing the other (:mod:`packgraph.graphs.memory`). A grad handed out on one slot stays valid
-        until the next backward that writes that slot, which first moves it if it is still held."""
-        read = {id(g) for g in grad_outputs if g is not None}
-        which = 1 if any(id(r.static) in read and r.writer[-1] == 0 for r in self.chain_buffers.records()) else 0
-        return {i: self.chain_buffers.record(like, i, which) for i, like in chained.items()}
-
-    def chain_grad_output(self, like: Tensor) -> Handout:
-        """The buffer the last layer of a chained stack reads the grad of its output from: slot 1 of the hidden
-        states' layout, so that its own input grad goes to slot 0 and the stack holds two such buffers, not three."""
-        return self.chain_buffers.record(like, 0, 1)
 
     def add(self, graphed: GraphedCallable) -> None:
         """A callable of the group (a :class:`~packgraph.graphs.capture.GraphedCallable`)."""

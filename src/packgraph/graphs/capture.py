@@ -1,57 +1,18 @@
 """Capture a callable into CUDA graphs, forward and backward, and replay it as a drop-in replacement.
 
-:func:`capture` returns a :class:`GraphedCallable` with the callable's own call signature. Each call:
+:func:`capture` returns a :class:`GraphedCallable` with the callable's own call signature; its docstring is the
+contract. Each call:
 
-1. takes the call's signature (:mod:`packgraph.graphs.signature`): tensors and PackedSeqParams anywhere in the
-   args are dynamic inputs; shapes, dtypes, ``requires_grad``, non-tensor args, the params' static signature,
-   ``module.training``, which parameters are frozen and the autocast state are static. PackedSeqParams are
-   validated (before anything is copied), mapped to their bucket and reduced to ``attention_view()`` first;
+1. takes the call's signature (:mod:`packgraph.graphs.signature`); PackedSeqParams are validated, mapped to their
+   bucket and reduced to ``attention_view()`` first, before anything is copied;
 2. finds the graph captured for that signature, or captures one (``on_mismatch="recapture"``) or raises
    :class:`~packgraph.graphs.cache.GraphSignatureError` (``on_mismatch="error"``). A stale graph never runs;
-3. copies each dynamic input into its static buffer, only when it is not already there (``data_ptr``), and
-   replays the forward graph inside a ``torch.autograd.Function`` whose backward replays the backward graph.
+3. copies each dynamic input into its static buffer when it is not already there (``data_ptr``), and replays the
+   forward graph inside a ``torch.autograd.Function`` whose backward replays the backward graph
+   (:mod:`packgraph.graphs.entry`).
 
-What is autograd-exact, and what is not:
-
-* **Exact.** Outputs, input grads and parameter grads are eager's, and so is how ``.grad`` changes: grads reach
-  autograd's ``AccumulateGrad`` (a first grad is adopted without a copy, later ones are added), so
-  ``torch.autograd.grad``, ``backward(inputs=...)``, parameters frozen or unfrozen after capture, gradient hooks
-  and micro-batches behave as in eager. Outputs and grads handed out are views of graph memory; whatever still
-  holds one (the tensor, a ``.detach()`` or a slice of it, a ``.grad``, a tensor autograd saved) is moved to a
-  copy of its own before a replay writes that memory (:mod:`packgraph.graphs.memory`).
-* **Refused, with an error that says what to do:** double backward (``create_graph=True``); a forward of a graph
-  whose previous backward is pending, or any replay that would overwrite memory a pending backward needs
-  (:class:`~packgraph.graphs.memory.GraphOrderError`).
-* **Not replayed:** Python side effects of the callable and of its module hooks run at capture only (the work they
-  record is replayed). Tensors must reach the callable as arguments (possibly inside lists, tuples, dicts) or as
-  module parameters and buffers: a tensor hidden in another object or a closure is a graph constant.
-
-Other rules:
-
-* **Parameters** are the module's (or the bound method's module's). The module tree is checked at every call, on
-  the host: after ``module.to(...)``, ``load_state_dict(assign=True)``, a reassigned parameter or buffer, or a
-  submodule, parameter, buffer or module hook added, removed or replaced, the callable drops its graphs (with a
-  warning) and captures new ones. In-place updates (``optimizer.step``, ``load_state_dict``) need nothing. A
-  function's closure is not checked.
-* **Memory.** Everything captured together (one :func:`capture`, one :func:`capture_layers` stack, and their
-  recaptures) shares one pool, warm-ups included; the signatures of one callable share its input and output
-  buffers, and (``share_activations=True``) the activations a forward saves go back to the pool after capture, as
-  do the grads of a signature not in use. The order rule this needs is in :mod:`packgraph.graphs.memory`. A
-  signature first met at call time has its forward captured at that call and its backward at its first backward,
-  so captures follow the order the graphs run in. In a chained stack, a training call's new signature is captured
-  for every layer at the first layer's call, forwards then backwards, as :func:`capture_layers` does at first.
-* **Threads and streams.** A capture group is single-threaded: call its graphs from one thread. Replays run on the
-  current stream, in its order with the eager code around them; nothing is moved to another stream. Graphs are
-  recorded on the caller's stream, or on a side stream when the caller is on the default stream (CUDA cannot
-  capture there), which then holds cuBLAS workspaces of its own: run the loop on one non-default stream, as
-  packgraph's trainers and benchmark do, for eager's workspaces only. A chained stack replays only on the stream
-  it was recorded on, and raises otherwise (docs/streams.md says why). Every capture synchronises the device first,
-  so memory a released graph gave back to the pool is reused only once all streams are done with it.
-* **RNG.** Dropout draws fresh masks at every replay (torch registers the default CUDA generator with each
-  capture and advances its offset per replay); the backward graph reads the masks the forward saved. Other
-  generators must be registered by the caller (``CUDAGraph.register_generator_state``).
-* **Autocast** is part of the signature; warm-up and capture run with the autocast cache off, so casts of the
-  weights are recorded in the graph and stay current after ``optimizer.step()``.
+What graphs share, and the replay order that costs, is :mod:`packgraph.graphs.memory`'s; streams and proxies are
+:mod:`packgraph.graphs.recorder`'s.
 """
 
 from __future__ import annotations
@@ -593,7 +554,7 @@ def _adopted(owner: weakref.ref, param: Tensor) -> None:
         record.adopted(param)
 
 
-def _remove_hooks(handles: list[Any]) -> None:
+def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
@@ -761,9 +722,33 @@ def capture(
 ) -> GraphedCallable:
     """Capture ``fn_or_module`` into CUDA graphs (forward, and backward unless ``forward_only``).
 
-    Autograd-exact: outputs, grads and when ``.grad`` changes are eager's (``autograd.grad``, ``backward(inputs=)``,
-    frozen parameters, hooks, micro-batches), and tensors handed out keep their values. Refused with an error:
-    double backward, a forward while its graph's backward is pending. Python side effects run at capture only.
+    Autograd-exact: outputs, input and parameter grads, and when ``.grad`` changes are eager's. Grads reach
+    autograd's ``AccumulateGrad`` (a first grad is adopted without a copy, later ones are added), so
+    ``torch.autograd.grad``, ``backward(inputs=)``, parameters frozen or unfrozen after capture, hooks and
+    micro-batches behave as in eager; outputs and grads handed out keep their values while held.
+
+    The signature of a call (a new one is a new capture): tensors and PackedSeqParams anywhere in the args are
+    dynamic inputs; shapes, dtypes, ``requires_grad``, non-tensor args, the params' static signature,
+    ``module.training`` of every submodule, which parameters are frozen and the autocast state are static.
+
+    .. warning:: Refused with an error that says what to do: double backward (``create_graph=True``), and a
+        replay that would overwrite memory a pending backward needs (a forward replayed again before its
+        backward: :class:`~packgraph.graphs.memory.GraphOrderError`).
+
+    .. warning:: Python side effects of the callable and its hooks run at capture only. Tensors reach it as
+        arguments (inside lists, tuples, dicts too) or as module parameters and buffers; one hidden in another
+        object or a closure is a graph constant.
+
+    .. warning:: The module tree (submodules, parameters, buffers, hooks, and the addresses of parameters and
+        buffers) is checked at every call, on the host: after ``module.to(...)``, ``load_state_dict(assign=True)``
+        or a reassigned attribute the callable drops its graphs (with a warning) and captures new ones. In-place
+        updates (``optimizer.step``) need nothing. A function's closure is not checked.
+
+    .. warning:: One thread per capture group. Graphs replay on the current stream; a chained stack only on the
+        stream it was recorded on (:func:`~packgraph.graphs.recorder.loop_stream`, docs/streams.md).
+
+    .. warning:: Dropout draws fresh masks at every replay (the default CUDA generator is registered with each
+        capture); other generators must be registered by the caller (``CUDAGraph.register_generator_state``).
 
     Args:
         fn_or_module: an ``nn.Module`` (its parameters are trained), a bound method of one, or a function.

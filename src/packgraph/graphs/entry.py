@@ -1,26 +1,17 @@
 """One capture: static buffers, the forward and backward CUDA graphs of one signature, and the autograd glue.
 
 :class:`Entry` is what a :class:`~packgraph.graphs.capture.GraphedCallable` caches per signature. It is built
-captured: its constructor makes the static buffers from a call (copies of the call's tensors, or, in a chained layer
-stack, the previous layer's static output itself), warms up and records the forward graph (:class:`ForwardGraph`).
-Its one later state is the backward graph (:class:`BackwardGraph`, ``Entry.bwd``): recorded right after the forward
-by :func:`~packgraph.graphs.capture.capture`, or at its first use when the signature is first met at call time. It
-replays inside :class:`Replay`, a ``torch.autograd.Function`` whose inputs are the call's tensors that require grad
-and the parameters trained at capture, and whose backward replays the backward graph.
+captured: its constructor makes the static buffers from a call (copies of the call's tensors, the callable's shared
+buffers, or in a chained stack the previous layer's static output itself), warms up and records the forward graph
+(:class:`ForwardGraph`). Its one later state is the backward graph (:class:`BackwardGraph`, ``Entry.bwd``), recorded
+right after the forward by a stack capture or at its first use. It replays inside :class:`Replay`, a
+``torch.autograd.Function`` whose inputs are the call's tensors that require grad and the parameters trained at
+capture, and whose backward replays the backward graph.
 
-Gradients go through autograd, as in eager. The backward graph computes the grads of the inputs and of every
-parameter trained at capture into static tensors; :meth:`Entry.replay_backward` returns views of them, and
-autograd's own ``AccumulateGrad`` does the rest: it adopts the view as ``p.grad`` when that is None (no copy, as
-eager adopts a fresh grad), adds it otherwise, runs the parameter's hooks, and skips parameters the backward does not
-reach (``torch.autograd.grad(loss, [x])``, ``backward(inputs=...)``, a frozen parameter). Views that outlive the
-replay are moved off the static memory before the next replay writes it (:mod:`packgraph.graphs.memory`).
-
-Forward buffers are shared signature after signature: the first entry of a callable (its *primary*) owns the static
-inputs, outputs and grad-output buffers; later entries of compatible shapes read the same input buffers and copy
-their outputs into the primary's at the end of their graphs (:mod:`packgraph.graphs.memory`). Grads are each
-entry's own and go back to the pool while idle (:mod:`packgraph.graphs.memory`), except a chained input grad,
-written into one of the stack's two chained grad buffers. A layer then holds one set however many buckets it meets.
-The replay-order rule that sharing needs is in :mod:`packgraph.graphs.memory`.
+Gradients go through autograd, as in eager: :meth:`Entry.replay_backward` returns views of the backward graph's
+static grads, and autograd's own ``AccumulateGrad`` adopts each as ``p.grad`` when that is None (no copy), adds it
+otherwise, runs the hooks, and skips the parameters a backward does not reach. Which memory those views live in,
+and what happens to them at the next replay, is :mod:`packgraph.graphs.memory`'s.
 """
 
 from __future__ import annotations
@@ -35,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
+from torch.autograd.function import FunctionCtx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -363,7 +355,7 @@ class Entry:
         for j in diff:
             static_grad_outputs[j] = given.get(j)
             if static_grad_outputs[j] is None and j == 0 and last_in_stack and owner.group.chain:
-                record = owner.group.chain_grad_output(raw[0])
+                record = owner.group.chain_buffers.for_stack_output(raw[0])
                 static_grad_outputs[0] = record.static
                 grad_output_records.append(record)
             if static_grad_outputs[j] is None:
@@ -373,7 +365,7 @@ class Entry:
         n_in = len(self.grad_positions)
         pairs = zip(self.grad_positions, self.chained_grad_inputs, strict=True)
         chained = {i: self.static_inputs[i] for i, c in pairs if c}
-        by_position = owner.group.chain_grads(chained, static_grad_outputs)
+        by_position = owner.group.chain_buffers.for_backward(chained, static_grad_outputs)
         chain = {k: by_position[i] for k, i in enumerate(self.grad_positions) if i in by_position}
         for record in [*chain.values(), *grad_output_records]:
             # What is handed out on the buffers this graph writes (the output grad it is about to read, say) moves
@@ -387,7 +379,7 @@ class Entry:
         def body() -> list:
             # Parameter grads and unchained input grads are each signature's own (written, never zeroed or
             # accumulated into), released to the pool once idle (packgraph.graphs.memory). A chained input grad
-            # goes into one of the stack's two chained grad buffers (CaptureGroup.chain_grads).
+            # goes into one of the stack's two chained grad buffers (ChainGradBuffers.for_backward).
             outs = [fwd.raw_outputs[j] for j in diff]  # a stand-in's replay re-runs the forward: its latest
             grad_outs = [static_grad_outputs[j] for j in diff]
             grads = list(torch.autograd.grad(outs, targets, grad_outs, retain_graph=retain, allow_unused=True))
@@ -629,7 +621,7 @@ class Replay(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, entry: Entry, dyn: list, *grad_tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: FunctionCtx, entry: Entry, dyn: list, *grad_tensors: Tensor) -> tuple[Tensor, ...]:
         entry.before_replay(entry.fwd.seq, "forward")
         entry.load(dyn)
         entry.fwd.graph.replay()
@@ -643,7 +635,7 @@ class Replay(torch.autograd.Function):
         return outs
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple:
+    def backward(ctx: FunctionCtx, *grads: Tensor) -> tuple:
         entry = ctx.entry
         if torch.is_grad_enabled():
             raise RuntimeError(

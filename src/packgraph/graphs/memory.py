@@ -127,7 +127,7 @@ import gc
 import math
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from torch import Tensor
@@ -340,7 +340,7 @@ grads of inputs, which autograd may keep out of Python's reach, are handed out a
 scans = 0
 """Scans of the garbage collector's objects made so far (see the module docstring)."""
 
-KEPT_FOR_HOLDERS: list[Any] = []
+KEPT_FOR_HOLDERS: list[Tensor | _Block] = []
 """Memory the engine let go of while a holder it could not move (see :meth:`Handout.settle_or_keep`) still held
 it: kept allocated for the process's lifetime rather than freed under that holder."""
 
@@ -596,7 +596,7 @@ class HandoutBook:
 # destroyed by the garbage collector aborted the process once (inside a warm-up that routes allocations to a graph
 # pool, with the pool's block still allocated), so pools are destroyed only by release_spare_pools(), at a point the
 # caller chooses.
-_SPARE_POOLS: dict[tuple[torch.device, int], list[Any]] = {}
+_SPARE_POOLS: dict[tuple[torch.device, int], list[torch.cuda.MemPool]] = {}
 # One allocation stream per device for every block: the allocator reuses a free block only on the stream it was
 # allocated on, and a spare pool's block must be reusable by the next group.
 _ALLOC_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -611,7 +611,7 @@ def release_spare_pools() -> None:
         _SPARE_POOLS.clear()
 
 
-def _take_pool(device: torch.device, nbytes: int) -> Any:
+def _take_pool(device: torch.device, nbytes: int) -> torch.cuda.MemPool:
     spares = _SPARE_POOLS.get((device, nbytes))
     if spares:
         torch.cuda.synchronize(device)  # the closed group's last replays may still use the block
@@ -765,6 +765,19 @@ class ChainGradBuffers:
 
     def records(self) -> list[Handout]:
         return list(self._records.values())
+
+    def for_backward(self, chained: dict[int, Tensor], grad_outputs: list) -> dict[int, Handout]:
+        """The buffer each chained input (``position -> static input``) of a backward graph that reads
+        ``grad_outputs`` writes its grad into: the one of the two it does not read, so that the previous layer's
+        backward reads it while writing the other."""
+        read = {id(g) for g in grad_outputs if g is not None}
+        which = 1 if any(id(r.static) in read and r.writer[-1] == 0 for r in self._records.values()) else 0
+        return {i: self.record(like, i, which) for i, like in chained.items()}
+
+    def for_stack_output(self, like: Tensor) -> Handout:
+        """The buffer the last layer of a chained stack reads the grad of its output from: buffer 1, so that its own
+        input grad goes to buffer 0 and the stack holds two such buffers, not three."""
+        return self.record(like, 0, 1)
 
     def lend(self) -> None:
         """Before a backward replay or capture: the buffers' memory is allocated (cheap when it already is)."""

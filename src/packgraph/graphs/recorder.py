@@ -189,7 +189,7 @@ class CudaRecorder(RecorderBase):
         # its matmuls share the graphs' cuBLAS workspaces (cuBLAS keeps one per thread and stream).
         current = torch.cuda.current_stream(self.device)
         self.stream = current if current != torch.cuda.default_stream(self.device) else torch.cuda.Stream(self.device)
-        self._held: set[Any] = set()
+        self._held: set[Pool] = set()
 
     def check_input(self, t: Tensor) -> None:
         if t.device != self.device:

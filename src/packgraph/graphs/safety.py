@@ -21,7 +21,7 @@ import inspect
 import os
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -372,7 +372,9 @@ def _attempt_capture(fn: Callable, args: tuple, kwargs: dict, stream: torch.cuda
     return None
 
 
-def recover_after_failed_capture(previous_stream: Any, device: Any, pool: Any) -> None:
+def recover_after_failed_capture(
+    previous_stream: torch.cuda.Stream, device: torch.device | None, pool: Hashable | None
+) -> None:
     """Best-effort cleanup after a capture raised: torch leaves the capture stream current and, when the capture
     ended in error, the allocator still routing the pool; undo both so eager work can go on."""
     try:
@@ -388,7 +390,7 @@ def recover_after_failed_capture(previous_stream: Any, device: Any, pool: Any) -
     _close_generator_capture(device)
 
 
-def _close_generator_capture(device: Any) -> None:
+def _close_generator_capture(device: torch.device | None) -> None:
     """Take the default CUDA generator out of capture mode after a capture that ended in error.
 
     ``CUDAGraph.capture_end`` runs the generator's capture epilogue only after ``cudaStreamEndCapture`` succeeds;

@@ -93,7 +93,7 @@ class TensorKey(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
-    source: Any = None
+    source: int | None = None
     strides: tuple[int, ...] | None = None
 
 
@@ -202,7 +202,7 @@ class PreparedParams:
     )
 
     def __init__(
-        self, source: Any, params: PackedSeqParams, converted: PackedSeqParams, foreign: ParamsType | None = None
+        self, source: object, params: PackedSeqParams, converted: PackedSeqParams, foreign: ParamsType | None = None
     ) -> None:
         groups: dict[int, list[str]] = {}
         tensors: list[Tensor] = []
@@ -227,7 +227,7 @@ class PreparedParams:
         cpu = [t for t in self._source_tensors if t.device.type == "cpu"]
         self._cpu_values = (cpu, [t.clone() for t in cpu])
 
-    def is_current_for(self, source: Any) -> bool:
+    def is_current_for(self, source: object) -> bool:
         """True when ``source`` is the object this was prepared from, with no field reassigned and no tensor
         modified in place since (version counters; and values, for CPU tensors). Tensors with no version counter
         never match."""
@@ -288,7 +288,7 @@ class ParamsPreparer:
         self.cache_size = cache_size
         self._cache: OrderedDict[int, PreparedParams] = OrderedDict()
 
-    def __call__(self, params: Any) -> PreparedParams:
+    def __call__(self, params: object) -> PreparedParams:
         """``params``: a :class:`~packgraph.params.PackedSeqParams` or an instance of a registered foreign class
         (converted at the boundary, tensors shared: no copy, no sync)."""
         prepared = self._cache.get(id(params))
@@ -301,7 +301,7 @@ class ParamsPreparer:
             self._cache.popitem(last=False)
         return prepared
 
-    def _prepare(self, source: Any) -> PreparedParams:
+    def _prepare(self, source: object) -> PreparedParams:
         foreign = None if isinstance(source, PackedSeqParams) else params_type_of(source)
         params = source if foreign is None else foreign.to_packgraph(source)
         if self.validate != "off":
@@ -315,11 +315,11 @@ class ParamsPreparer:
 
 
 # --------------------------------------------------------------------------------------------- flattening
-def _is_container(x: Any) -> bool:
+def _is_container(x: object) -> bool:
     return isinstance(x, (tuple, list, dict)) or type(x) in pytree.SUPPORTED_NODES
 
 
-def _static_key(x: Any) -> Any:
+def _static_key(x: object) -> StaticKey | None:
     if x is None:
         return None
     try:
@@ -333,7 +333,7 @@ def flatten_call(
     args: tuple,
     kwargs: Mapping[str, Any],
     prepare: Callable[[PackedSeqParams], PreparedParams],
-    chain_of: Callable[[Tensor], Any] | None = None,
+    chain_of: Callable[[Tensor], int | None] | None = None,
 ) -> tuple[tuple, tuple, list]:
     """``(args_key, kwargs_key, dyn)`` for one call (see the module docstring).
 
@@ -351,7 +351,7 @@ def flatten_call(
     return args_key, kwargs_key, dyn
 
 
-def is_params(x: Any) -> bool:
+def is_params(x: object) -> bool:
     """Whether ``x`` is split like PackedSeqParams: packgraph's class or a registered foreign one."""
     return isinstance(x, PackedSeqParams) or (type(x) not in _PLAIN and params_type_of(x) is not None)
 
@@ -359,7 +359,7 @@ def is_params(x: Any) -> bool:
 _PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, slice})
 
 
-def _leaf_or_tree(x: Any, dyn: list, prepare: Callable, chain_of: Callable | None) -> Any:
+def _leaf_or_tree(x: object, dyn: list, prepare: Callable, chain_of: Callable | None) -> Key | None:
     if isinstance(x, Tensor):
         dyn.append(x)
         if chain_of is not None:
@@ -377,7 +377,7 @@ def _leaf_or_tree(x: Any, dyn: list, prepare: Callable, chain_of: Callable | Non
     return _static_key(x)
 
 
-def _leaf(x: Any, dyn: list, prepare: Callable, chain_of: Callable | None) -> Any:
+def _leaf(x: object, dyn: list, prepare: Callable, chain_of: Callable | None) -> Key | None:
     if isinstance(x, Tensor) or is_params(x):
         return _leaf_or_tree(x, dyn, prepare, chain_of)
     return _static_key(x)
