@@ -380,16 +380,8 @@ class GraphedCallable:
             # buffers with a pending graph, stays refused.
             if exc.overlap != "pool" or not torch.is_grad_enabled() or not entry.fwd.trains:
                 raise
-        return self._recapture_apart(args, kwargs).run(dyn)
-
-    def _recapture_apart(self, args: tuple, kwargs: dict) -> Entry:
-        """Capture this call's signature again, in a pool of its own, replacing its graph, whose replay would
-        overwrite a graph whose backward is pending."""
-        (entry,) = _capture_stack([self], args, kwargs, backward=False, apart=True)
-        self.recaptures += 1
-        self._insert(entry)
         logger.info("%s: captured again apart: its graph would overwrite a graph whose backward is pending", self.name)
-        return entry
+        return self._recapture(entry.key, args, kwargs, apart=True).run(dyn)
 
     def _check_stream(self) -> None:
         recorded = self._recorded_on
@@ -417,16 +409,18 @@ class GraphedCallable:
                 "of the FSDP2 unit that holds it, or graph the whole unit (scope 'layer')"
             )
 
-    def _recapture(self, key: CallSignature, args: tuple, kwargs: dict) -> Entry:
-        self.cache.check_new(key)
-        stack = self._stack_to_recapture()
-        if stack is not None:
-            return self._recapture_stack(stack, args, kwargs)
+    def _recapture(self, key: CallSignature, args: tuple, kwargs: dict, *, apart: bool = False) -> Entry:
+        """Capture the call's signature (new, or with ``apart`` again in a pool of its own, replacing its graph)."""
+        if not apart:
+            self.cache.check_new(key)
+            stack = self._stack_to_recapture()
+            if stack is not None:
+                return self._recapture_stack(stack, args, kwargs)
         # The backward waits for its first use: captures then follow the order the graphs run in (see
         # Entry.capture_backward_late), and a forward-only use never captures one. Other callables' graphs,
         # captured before, may replay while this one is in flight (the later layers of a stack whose first layer
         # alone has a new signature): it takes a pool of its own.
-        apart = any(c is not self and len(c.cache) for c in self.group.callables())
+        apart = apart or any(c is not self and len(c.cache) for c in self.group.callables())
         (entry,) = _capture_stack([self], args, kwargs, backward=False, apart=apart)
         if self.group.chain and not entry.chained and not self._warned_unchained:
             if any(e.chained for e in self.cache.values()):
