@@ -268,9 +268,11 @@ def test_forward_only_matches_eager():
     assert entry.bwd is None and entry.trainable == []
     with torch.no_grad():
         ref = block(_x(4), p)
-    out = graphed(_x(4), p)
+        out = graphed(_x(4), p)
     assert not out.requires_grad
     torch.testing.assert_close(out, ref)
+    with pytest.raises(RuntimeError, match="forward_only=True"):  # eager's output would require grad
+        graphed(_x(4), p)
 
 
 # ------------------------------------------------------------------------------------------------ signatures
@@ -621,7 +623,13 @@ def test_backward_captured_at_first_use_ignores_refilled_static_buffers():
     out = graphed(_x(2), _params([7, 7, 7], capacity=16))
     with torch.no_grad():
         block.attn.proj.weight.add_(1.0)  # an optimizer step before the first backward
-    with pytest.raises(RuntimeError, match="changed in place since"):
+    with pytest.raises(RuntimeError, match="changed in place since its forward"):
+        out.sum().backward()
+    del out  # its backward was refused: the graph stays pending while its output lives
+    out = graphed(_x(3), _params([30, 4], pad=2))  # a captured backward reads the weights as they are at replay
+    with torch.no_grad():
+        block.attn.proj.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="changed in place since its forward"):
         out.sum().backward()
 
 

@@ -263,6 +263,7 @@ class CaptureGroup:
         self.outputs = OutputRegistry() if chain else None
         self._seq = 0
         self.in_flight: dict[int, Entry] = {}
+        self.retained: dict[int, tuple[Entry, weakref.ref]] = {}  # id(autograd node) -> a backward run retained
         self.handouts = HandoutBook()
         self.chain_buffers = ChainGradBuffers(cuda=recorder.stream is not None)
         self._stack: list[weakref.ref[GraphedCallable]] = []

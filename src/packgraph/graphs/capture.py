@@ -513,6 +513,11 @@ class GraphedCallable:
         if dropped:
             logger.info("%s: dropped %d graphs that ran with the stack's replaced graphs", self.name, len(dropped))
 
+    def forget(self, entry: Entry) -> None:
+        """Drop ``entry`` from the cache (its backward could not be captured)."""
+        if self.cache.get(entry.key) is entry:
+            self._let_go(self.cache.discard([entry.key]))
+
     def _let_go(self, entries: list[Entry]) -> None:
         """Entries taken out of the cache (replaced, evicted, dropped): their output tokens and the records of
         what they handed out go, holders moved to memory of their own."""

@@ -84,8 +84,12 @@ class Owner(Protocol):
 
     def param_places(self) -> list[tuple[dict, str, Tensor, int]]: ...
 
+    def forget(self, entry: Entry) -> None: ...
+
 
 _OUT = object()  # marks a tensor slot in an output template
+# Whether the running backward keeps its graph (``retain_graph=True``); None in a torch without it.
+_KEEP_GRAPH: Callable[[], bool] | None = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
 @dataclasses.dataclass(eq=False)
@@ -122,6 +126,8 @@ class BackwardGraph:
     grad_records: list[Handout | None]  # per grad handed out (inputs', then parameters'); None: never released
     chain_records: dict[int, Handout]  # input-grad index -> the stack's chained grad buffer it writes
     grad_output_records: list[Handout]  # the chained grad buffer it reads its output's grad from
+    # output -> the chained grad buffer it reads that output's grad from in place, moved off before a copy into it
+    read_chain: dict[int, Handout] = dataclasses.field(default_factory=dict)
 
 
 class Entry:
@@ -227,6 +233,8 @@ class Entry:
         starts) release the backward results nobody holds (:mod:`packgraph.graphs.memory`)."""
         group = self.owner.group
         group.handouts.before_capture(self.pool)
+        if group.retained:
+            memory.overwrite_retained(self, None, "capture", capture=True)
         if release:
             group.chain_buffers.give_back()
         unowned = group.recorder.unowned
@@ -361,6 +369,8 @@ class Entry:
             if static_grad_outputs[j] is None:
                 static_grad_outputs[j] = owner.buffers.get(("grad_output", j), raw[j], zero=True)
         grad_plan = [(j, g, g.data_ptr()) for j, g in enumerate(static_grad_outputs) if g is not None]
+        chain_statics = {id(r.static): r for r in owner.group.chain_buffers.records()}
+        read_chain = {j: chain_statics[id(g)] for j, g in enumerate(static_grad_outputs) if id(g) in chain_statics}
         pattern: list[bool] = []
         n_in = len(self.grad_positions)
         pairs = zip(self.grad_positions, self.chained_grad_inputs, strict=True)
@@ -411,6 +421,7 @@ class Entry:
             grad_records,
             chain_records,
             grad_output_records,
+            read_chain,
         )
 
     def _grad_records(self, grads: list[Tensor | None], seq: int) -> list[Handout | None]:
@@ -450,15 +461,16 @@ class Entry:
         try:
             with explained_capture_errors(self):
                 self.capture_backward(given, last_in_stack=consumer is None)
-        except RuntimeError as exc:
-            if "modified by an inplace operation" not in str(exc):
+        except BaseException as exc:
+            # The autograd graph of the forward capture is spent: the next call of this signature captures anew.
+            self.owner.forget(self)
+            if not isinstance(exc, RuntimeError) or "modified by an inplace operation" not in str(exc):
                 raise
             raise RuntimeError(
                 f"{self.owner.name}: the backward graph of this signature is captured at its first backward, from "
-                "the autograd graph recorded at its forward capture; a tensor that forward saved (a weight updated "
-                "by optimizer.step(), say) changed in place since. Run the backward of a new signature's first "
-                "forward before changing the parameters, or run forwards that need no backward under "
-                "torch.no_grad()."
+                "the autograd graph recorded at its forward capture; a tensor that forward saved (a module buffer "
+                "written in place, by load_state_dict say) changed since. This call's backward cannot run; the "
+                "signature's graphs were dropped, and its next call captures them again."
             ) from exc
         self.capture_seconds += time.perf_counter() - t0
         logger.info(
@@ -532,6 +544,8 @@ class Entry:
     def run(self, dyn: list) -> Any:
         fwd = self.fwd
         if not fwd.trains or not torch.is_grad_enabled():
+            if self.owner.forward_only and torch.is_grad_enabled():
+                self._refuse_grad(dyn)
             self.before_replay(fwd.seq, "forward")
             with torch.no_grad():
                 self.load(dyn)
@@ -545,15 +559,28 @@ class Entry:
         it = iter(outs)
         return pytree.tree_unflatten([next(it) if v is _OUT else v for v in fwd.out_template], fwd.out_spec)
 
+    def _refuse_grad(self, dyn: list) -> None:
+        wants = [t for t in dyn if isinstance(t, Tensor) and t.requires_grad]
+        if wants or any(p.requires_grad for p in self.owner.params):
+            raise RuntimeError(
+                f"{self.owner.name}: captured with forward_only=True (no backward graph) and called with grad enabled "
+                f"on {'an input that requires' if wants else 'parameters that require'} grad: eager's output would "
+                "require grad, this one cannot. Call it under torch.no_grad() (scoring, eval), or capture without "
+                "forward_only."
+            )
+
     def replay_backward(self, bwd: BackwardGraph, grads: tuple) -> list:
+        book = self.owner.group.handouts
         for j, buf, ptr in bwd.grad_plan:
             g = grads[j]
             if g is None:
                 buf.zero_()  # the output did not reach the loss
             elif g.data_ptr() != ptr:
+                read = bwd.read_chain.get(j)
+                if read is not None:  # a grad handed out on it (kept by a hook, say) keeps its values
+                    book.settle_writer(read.writer)
                 buf.copy_(g)
         bwd.graph.replay()
-        book = self.owner.group.handouts
         n_in = len(self.grad_positions)
         out: list[Tensor | None] = []
         for k, record in enumerate(bwd.grad_records):
@@ -613,6 +640,11 @@ class _RandomDraws(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _param_versions(entry: Entry) -> list[int]:
+    """The version counters of the parameters the graphs read (FSDP2's copies are refilled at each call)."""
+    return [] if entry.owner.copies_params else [p._version for p in entry.owner.params]
+
+
 class Replay(torch.autograd.Function):
     """Replays an entry's forward graph; its backward replays the backward graph.
 
@@ -628,6 +660,7 @@ class Replay(torch.autograd.Function):
         entry.flight = weakref.ref(ctx)
         entry.owner.group.in_flight[id(entry)] = entry
         ctx.entry = entry
+        ctx.versions = _param_versions(entry)
         ctx.set_materialize_grads(False)
         outs = tuple(entry.hand_out_outputs())
         if entry.fwd.nondiff:
@@ -643,6 +676,21 @@ class Replay(torch.autograd.Function):
                 "reached a graphed callable; its backward is a replayed CUDA graph and cannot be differentiated. "
                 "Run this callable eagerly for such losses."
             )
+        overwritten_by = getattr(ctx, "overwritten_by", None)
+        if overwritten_by is not None:
+            raise RuntimeError(
+                f"{entry.owner.name}: a second backward through this call's autograd graph (retain_graph=True), "
+                f"after {overwritten_by} replayed or captured a graph that may have overwritten the activations it "
+                "reads. Run every backward through a retained graph before other calls of these graphs, capture with "
+                "share_activations=False (each graph keeps its own activations), or run this callable eagerly."
+            )
+        if _param_versions(entry) != ctx.versions:
+            # Eager raises here for a weight its backward saved; the backward graph would read the new values.
+            raise RuntimeError(
+                f"{entry.owner.name}: a parameter of this graphed call changed in place since its forward (an "
+                "optimizer.step() or a load_state_dict before the backward, say): its backward would read the new "
+                "values. Run the backward before changing the parameters, as eager needs for the weights it saves."
+            )
         entry.flight = None
         entry.owner.group.in_flight.pop(id(entry), None)
         entry.owner.group.chain_buffers.lend()
@@ -651,4 +699,7 @@ class Replay(torch.autograd.Function):
         bwd = entry.bwd
         assert bwd is not None  # capture_backward records it when fwd.trains, which Replay needs
         entry.before_replay(bwd.seq, "backward")
-        return (None, None, *entry.replay_backward(bwd, grads))
+        grads_out = entry.replay_backward(bwd, grads)
+        if _KEEP_GRAPH is None or _KEEP_GRAPH():  # unknown: as if retained (a second backward then checks)
+            memory.retain(entry, ctx)
+        return (None, None, *grads_out)

@@ -148,6 +148,8 @@ __all__ = [
     "SharedBuffers",
     "check_replay_order",
     "in_flight_overlap",
+    "overwrite_retained",
+    "retain",
     "fits",
     "freed_at",
     "preserve_version",
@@ -183,6 +185,8 @@ def check_replay_order(entry: Entry, seq: int | None, what: str) -> None:
     overwrite memory of a graph of the group whose backward has not run yet (module docstring)."""
     found = in_flight_overlap(entry, seq, what)
     if found is None:
+        if entry.owner.group.retained:
+            overwrite_retained(entry, seq, what)
         return
     why, other = found
     if why == "again":
@@ -212,18 +216,47 @@ def in_flight_overlap(entry: Entry, seq: int | None, what: str) -> tuple[str, En
         if not other.in_flight:  # its autograd graph was dropped: its backward will never run
             del flights[key]
             continue
-        if other is entry:
-            if what == "backward":
-                continue
-            return "again", other
-        same_buffers = other.owner is entry.owner and entry.owner.share_activations
-        if not same_buffers and other.pool is not entry.pool:
-            continue
-        if same_buffers:
-            return "buffers", other
-        if seq is not None and (other.fwd.seq > seq or freed_at(other) < seq):
-            return "pool", other
+        why = _overlap(entry, seq, what, other)
+        if why is not None:
+            return why, other
     return None
+
+
+def _overlap(entry: Entry, seq: int | None, what: str, other: Entry) -> str | None:
+    if other is entry:
+        return None if what == "backward" else "again"
+    same_buffers = other.owner is entry.owner and entry.owner.share_activations
+    if same_buffers:
+        return "buffers"
+    if other.pool is entry.pool and seq is not None and (other.fwd.seq > seq or freed_at(other) < seq):
+        return "pool"
+    return None
+
+
+def retain(entry: Entry, ctx: object) -> None:
+    """``entry``'s backward ran with ``retain_graph=True``: autograd may run it again from ``ctx`` (its node), as
+    long as no replay or capture has written the memory it reads since (:func:`overwrite_retained`)."""
+    ctx.overwritten_by = None  # type: ignore[attr-defined]
+    entry.owner.group.retained[id(ctx)] = (entry, weakref.ref(ctx))
+
+
+def overwrite_retained(entry: Entry, seq: int | None, what: str, *, capture: bool = False) -> None:
+    """Before ``entry`` replays its graph recorded at ``seq`` (or, with ``capture``, warms up or captures into its
+    pool): mark the retained backwards whose memory this may write, so that running one again raises instead of
+    reading overwritten activations (eager would run it again: the refusal names the case)."""
+    retained = entry.owner.group.retained
+    for key, (other, ref) in list(retained.items()):
+        ctx = ref()
+        if ctx is not None:
+            if capture:
+                same_buffers = other.owner is entry.owner and entry.owner.share_activations
+                hit = same_buffers or (other.pool is entry.pool and freed_at(other) < math.inf)
+            else:
+                hit = _overlap(entry, seq, what, other) is not None
+            if not hit:
+                continue
+            ctx.overwritten_by = entry.owner.name  # type: ignore[attr-defined]
+        del retained[key]
 
 
 def freed_at(entry: Entry) -> float:

@@ -33,7 +33,7 @@ recorder instead of a :class:`CudaRecorder`.
 Warm-up and capture run on a side stream. If they used the real parameters, the autograd graph a capture keeps
 (until a late backward capture) would hold the parameters' ``AccumulateGrad`` nodes, which autograd reuses, with
 the side stream, on the caller's stream ("The AccumulateGrad node's stream does not match ..."). Fresh leaves that
-share each parameter's storage and version counter (proxies) are trained instead.
+share each parameter's storage (proxies, :func:`proxy_leaf`) are trained instead.
 
 **Streams.** One stream for a whole loop, so that graphs and the eager code around them share cuBLAS workspaces.
 
@@ -268,10 +268,16 @@ def _without_donated_buffers() -> contextlib.AbstractContextManager:
 
 # ------------------------------------------------------------------------------------------------------------ proxies
 def proxy_leaf(p: Tensor) -> Tensor:
-    """A leaf sharing ``p``'s storage and version counter, of ``p``'s class (code may check for ``Parameter``)."""
+    """A leaf sharing ``p``'s storage, of ``p``'s class (code may check for ``Parameter``), with a version counter
+    of its own: the autograd graph a forward capture keeps for a backward captured at its first use saves it, and an
+    ``optimizer.step()`` between the two (a no-grad call met the signature first) changes the values, not the
+    graphs, which read the parameter's memory at every replay."""
+    leaf = torch.empty(0, dtype=p.dtype, device=p.device)
+    with torch.no_grad():
+        leaf.set_(p.untyped_storage(), p.storage_offset(), p.size(), p.stride())
     if isinstance(p, torch.nn.Parameter):
-        return torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-    return p.detach().requires_grad_(p.requires_grad)
+        return torch.nn.Parameter(leaf, requires_grad=p.requires_grad)
+    return leaf.requires_grad_(p.requires_grad)
 
 
 @contextlib.contextmanager

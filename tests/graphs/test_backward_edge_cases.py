@@ -1,0 +1,185 @@
+"""``backward(retain_graph=True)`` through graphed calls, against eager.
+
+Eager runs a retained graph's backward again whenever the caller asks. A graphed call's backward reads activations
+and buffers in graph memory, which a later replay or capture may overwrite: then a second backward raises an error
+that names the case, and where nothing overwrote them it gives eager's grads. Found by a random schedule (a second
+backward after another call gave wrong grads, silently)."""
+
+import copy
+
+import pytest
+import torch
+
+from packgraph.graphs.capture import capture_layers_with, capture_with
+from tests.eager_recorder import EagerRecorder, OpReplayRecorder
+from tests.graphs.test_autograd_exact import _block, _grads, _loss, _params, _same_grads, _x
+
+RECORDERS = pytest.mark.parametrize("recorder", [EagerRecorder, OpReplayRecorder])
+P_A, P_B = ([10, 20, 5], 8), ([30, 4], 16)
+
+
+def _twice(fn, module, between=None):
+    """x.grad and the parameters' grads after ``backward(retain_graph=True)``, ``between()``, ``backward()``."""
+    module.zero_grad(set_to_none=True)
+    x = _x(1)
+    loss = _loss(fn(x, _params(*P_A)))
+    loss.backward(retain_graph=True)
+    if between is not None:
+        between(fn)
+    loss.backward()
+    return x.grad.clone(), _grads(module)
+
+
+@RECORDERS
+def test_a_second_backward_with_nothing_between_gives_eager_grads(recorder):
+    block = _block()
+    eager = copy.deepcopy(block)
+    graphed = capture_with(recorder(), block, (_x(0), _params(*P_A)))
+    gx, grads = _twice(graphed, block)
+    ex, eager_grads = _twice(eager, eager)
+    torch.testing.assert_close(gx, ex)
+    _same_grads(grads, eager_grads)
+
+
+def _no_grad_same(fn):
+    with torch.no_grad():
+        fn(_x(2), _params(*P_A))
+
+
+def _no_grad_other(fn):
+    with torch.no_grad():
+        fn(_x(2), _params(*P_B))
+
+
+def _training_step(fn):
+    x = _x(2)
+    _loss(fn(x, _params(*P_B))).backward(inputs=[x])
+
+
+@RECORDERS
+@pytest.mark.parametrize("between", [_no_grad_same, _no_grad_other, _training_step])
+def test_a_second_backward_after_another_call_is_refused(recorder, between):
+    block = _block()
+    graphed = capture_with(recorder(), block, (_x(0), _params(*P_A)))
+    with pytest.raises(RuntimeError, match="second backward through this call's autograd graph"):
+        _twice(graphed, block, between)
+    eager = _block()
+    _twice(eager, eager, between)  # eager runs it: the refusal is the engine's, and says so
+
+
+def _stack(share_activations):
+    layers = [_block(seed) for seed in range(3)]
+    eager = copy.deepcopy(layers)
+    stack = capture_layers_with(OpReplayRecorder(), layers, (_x(0), _params(*P_A)), share_activations=share_activations)
+    return layers, eager, stack
+
+
+def _run(stack):
+    def fn(x, params):
+        for layer in stack:
+            x = layer(x, params)
+        return x
+
+    return fn
+
+
+def test_a_stack_keeping_its_activations_runs_a_second_backward_as_eager():
+    layers, eager, stack = _stack(share_activations=False)
+    holder, eager_holder = torch.nn.ModuleList(layers), torch.nn.ModuleList(eager)
+    gx, grads = _twice(_run(stack), holder)
+    ex, eager_grads = _twice(_run(eager), eager_holder)
+    torch.testing.assert_close(gx, ex)
+    _same_grads(grads, eager_grads)
+
+
+def test_a_stack_sharing_activations_refuses_a_second_backward():
+    """Each layer's backward may overwrite the later layers' activations, which went back to the pool."""
+    layers, _, stack = _stack(share_activations=True)
+    with pytest.raises(RuntimeError, match="share_activations=False"):
+        _twice(_run(stack), torch.nn.ModuleList(layers))
+
+
+@RECORDERS
+def test_a_hidden_state_grad_kept_by_a_hook_keeps_its_values(recorder):
+    """A stack's layer recaptured alone (a forward hook added) writes the other chained grad buffer than the one its
+    producer's older graph reads in place: that grad is copied into the buffer, and a grad a tensor hook kept on it
+    moves first. Found by a random schedule (the kept grad became the previous layer's)."""
+    from packgraph.buckets import BucketPolicy
+    from packgraph.graphs import GraphOrderError
+    from packgraph.params import PackedSeqParams
+
+    def params(lengths, capacity, max_seqlen):
+        return PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=48, max_seqlen=max_seqlen)
+
+    def forward(stack, x, p, kept=None):
+        for k, layer in enumerate(stack):
+            x = layer(x, p)
+            if kept is not None and k + 1 < len(stack):
+                x.register_hook(kept.append)
+        return x
+
+    layers = [_block(seed) for seed in range(3)]
+    eager = copy.deepcopy(layers)
+    policy = BucketPolicy((16, 48), (4, 12, 48))
+    graphed = capture_layers_with(recorder(), layers, (_x(0), params([12, 3], 8, 48)), buckets=policy)
+    results = []
+    for stack, modules in ((graphed, layers), (eager, eager)):
+        pending = forward(stack, _x(9), params([30, 4], 2, 30))
+        try:
+            with torch.no_grad():
+                forward(stack, _x(5009, requires_grad=False), params([12, 3], 2, 12))
+        except GraphOrderError:
+            assert stack is graphed  # the engine's named refusal; eager runs it
+        del pending
+        _loss(forward(stack, _x(10, requires_grad=False), params([5], 1, 5))).backward()
+        modules[1].register_forward_hook(lambda m, a, o: o * 0.5)
+        kept = []
+        out = forward(stack, _x(20, requires_grad=False), params([5], 2, 48), kept)
+        _loss(out).backward()
+        results.append((out.detach(), kept, [_grads(m) for m in modules]))
+    (out, kept, grads), (eager_out, eager_kept, eager_grads) = results
+    torch.testing.assert_close(out, eager_out)
+    assert len(kept) == len(eager_kept) == 2
+    for a, b in zip(kept, eager_kept, strict=True):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(grads, eager_grads, strict=True):
+        _same_grads(a, b)
+
+
+@RECORDERS
+def test_a_forward_only_callable_refuses_a_call_whose_eager_output_requires_grad(recorder):
+    """Eager's output would require grad and carry it to the input; a forward-only graph has no backward. Found by
+    a random schedule (the graph's output silently did not require grad)."""
+    block = _block()
+    scorer = capture_with(recorder(), block, (_x(0, requires_grad=False), _params(*P_A)), forward_only=True)
+    with pytest.raises(RuntimeError, match="forward_only=True"):
+        scorer(_x(1), _params(*P_A))
+    with torch.no_grad():
+        out = scorer(_x(1), _params(*P_A))
+        torch.testing.assert_close(out, block(_x(1), _params(*P_A)))
+
+
+@RECORDERS
+def test_a_signature_met_first_without_grad_trains_after_an_optimizer_step(recorder):
+    """Evaluation meets a bucket first (its forward is captured, its backward waits for the first backward), the
+    optimizer steps, then training meets it: eager's grads, at that step and the next. Found by a random schedule
+    (the late backward capture refused the step, and every later one, on the parameters' version counters)."""
+    block = _block()
+    eager = copy.deepcopy(block)
+    graphed = capture_with(recorder(), block, (_x(0), _params(*P_A)))
+    results = []
+    for fn, module in ((graphed, block), (eager, eager)):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+        with torch.no_grad():
+            fn(_x(1, requires_grad=False), _params(*P_B))
+        _loss(fn(_x(2, requires_grad=False), _params(*P_A))).backward()
+        optimizer.step()
+        steps = []
+        for seed in (3, 4):
+            module.zero_grad(set_to_none=True)
+            _loss(fn(_x(seed, requires_grad=False), _params(*P_B))).backward()
+            steps.append(_grads(module))
+            optimizer.step()
+        results.append(steps)
+    for a, b in zip(*results, strict=True):
+        _same_grads(a, b)
