@@ -183,3 +183,40 @@ def test_a_signature_met_first_without_grad_trains_after_an_optimizer_step(recor
         results.append(steps)
     for a, b in zip(*results, strict=True):
         _same_grads(a, b)
+
+
+class _Scaled(torch.nn.Module):
+    """A linear map times a buffer, which autograd saves for the backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8).double()
+        self.register_buffer("scale", torch.rand(8, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("recorder", [OpReplayRecorder])  # the eager stand-in re-runs: its late capture succeeds
+def test_a_signature_whose_late_backward_capture_failed_is_captured_again(recorder):
+    """A buffer written in place between a signature's forward capture (a no-grad call met it) and its first
+    backward: that backward cannot be captured (named error), and the signature's next call captures anew and
+    trains as eager. Found by a random schedule (every later call failed)."""
+    module = _Scaled()
+    eager = copy.deepcopy(module)
+    graphed = capture_with(recorder(), module, (torch.randn(4, 8, dtype=torch.float64, requires_grad=True),))
+    x = torch.randn(6, 8, dtype=torch.float64)
+    with torch.no_grad():
+        graphed(x.clone().requires_grad_())  # the signature the training calls have
+        module.scale.mul_(2)
+        eager.scale.mul_(2)
+    with pytest.raises(RuntimeError, match="captured at its first backward"):
+        graphed(x.clone().requires_grad_()).sum().backward()
+    assert graphed.num_graphs == 1  # the failed signature's graphs were dropped
+    module.zero_grad(set_to_none=True)
+    xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    _loss(graphed(xg)).backward()
+    _loss(eager(xe)).backward()
+    torch.testing.assert_close(xg.grad, xe.grad)
+    _same_grads(_grads(module), _grads(eager))
