@@ -220,3 +220,21 @@ def test_a_signature_whose_late_backward_capture_failed_is_captured_again(record
     _loss(eager(xe)).backward()
     torch.testing.assert_close(xg.grad, xe.grad)
     _same_grads(_grads(module), _grads(eager))
+
+
+@RECORDERS
+def test_a_retained_stack_refuses_a_second_backward_after_a_forward_wrote_its_inputs(recorder):
+    """Layers captured one by one at call time have pools of their own; a later layer still reads the earlier
+    layer's output in place, which the earlier layer's next forward writes. Found by a random schedule (the second
+    backward read the new inputs)."""
+    layers = [_block(seed) for seed in range(3)]
+    stack = capture_layers_with(recorder(), layers, (_x(0), _params(*P_A)), share_activations=False)
+    run = _run(stack)
+    with torch.no_grad():
+        run(_x(1, requires_grad=False), _params(*P_A))  # new signatures for every layer, captured one by one
+    loss = _loss(run(_x(2, requires_grad=False), _params(*P_A)))  # layer 0's replays, the others' are new again
+    loss.backward(retain_graph=True)
+    with torch.no_grad():
+        run(_x(3, requires_grad=False), _params(*P_A))  # layer 0 writes the output layer 1's retained graph reads
+    with pytest.raises(RuntimeError, match="second backward through this call's autograd graph"):
+        loss.backward()

@@ -289,6 +289,7 @@ class GraphedCallable:
 
     def _rebind(self) -> None:
         dropped = self.cache.clear()
+        memory.let_go_retained(dropped, self.name)
         for entry in dropped:
             entry.release()
         self.buffers.clear()
@@ -521,6 +522,7 @@ class GraphedCallable:
     def _let_go(self, entries: list[Entry]) -> None:
         """Entries taken out of the cache (replaced, evicted, dropped): their output tokens and the records of
         what they handed out go, holders moved to memory of their own."""
+        memory.let_go_retained(entries, self.name)
         for old in entries:
             old.release()
             self.group.handouts.forget_writer(id(old))

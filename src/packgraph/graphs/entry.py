@@ -680,9 +680,9 @@ class Replay(torch.autograd.Function):
         if overwritten_by is not None:
             raise RuntimeError(
                 f"{entry.owner.name}: a second backward through this call's autograd graph (retain_graph=True), "
-                f"after {overwritten_by} replayed or captured a graph that may have overwritten the activations it "
-                "reads. Run every backward through a retained graph before other calls of these graphs, capture with "
-                "share_activations=False (each graph keeps its own activations), or run this callable eagerly."
+                f"after {overwritten_by}. Run every backward through a retained graph before other calls of these "
+                "graphs, capture with share_activations=False (each graph keeps its own activations), or run this "
+                "callable eagerly."
             )
         if _param_versions(entry) != ctx.versions:
             # Eager raises here for a weight its backward saved; the backward graph would read the new values.

@@ -148,6 +148,7 @@ __all__ = [
     "SharedBuffers",
     "check_replay_order",
     "in_flight_overlap",
+    "let_go_retained",
     "overwrite_retained",
     "retain",
     "fits",
@@ -253,10 +254,32 @@ def overwrite_retained(entry: Entry, seq: int | None, what: str, *, capture: boo
                 hit = same_buffers or (other.pool is entry.pool and freed_at(other) < math.inf)
             else:
                 hit = _overlap(entry, seq, what, other) is not None
+            # A chained graph reads its producer's output in place, whatever the pools: a forward writes it.
+            hit = hit or (what != "backward" and other.chained and (capture or _reads_output_of(other, entry)))
             if not hit:
                 continue
-            ctx.overwritten_by = entry.owner.name  # type: ignore[attr-defined]
+            why = f"{entry.owner.name} replayed or captured a graph that may have overwritten the activations it reads"
+            ctx.overwritten_by = why  # type: ignore[attr-defined]
         del retained[key]
+
+
+def _reads_output_of(other: Entry, entry: Entry) -> bool:
+    outputs = {o.data_ptr() for o in entry.fwd.static_outputs}
+    return any(b is not None and b.data_ptr() in outputs for b in other.static_inputs)
+
+
+def let_go_retained(entries: Sequence[Entry], name: str) -> None:
+    """``entries`` leave their callable's cache (evicted, replaced, dropped): their memory goes back to the pool,
+    so no retained backward of theirs may run again."""
+    retained = entries[0].owner.group.retained if entries else {}
+    gone = {id(e) for e in entries}
+    for key, (other, ref) in list(retained.items()):
+        if id(other) in gone:
+            ctx = ref()
+            if ctx is not None:
+                why = f"{name} let go of its graph (evicted or dropped from its cache)"
+                ctx.overwritten_by = why  # type: ignore[attr-defined]
+            del retained[key]
 
 
 def freed_at(entry: Entry) -> float:
