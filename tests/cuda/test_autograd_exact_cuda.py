@@ -544,3 +544,63 @@ class _Chain(torch.nn.Module):
 
     def forward(self, x, p):
         return self.seq[1](self.seq[0](x, p))
+
+
+def _retained_twice(fn, module, between=None):
+    module.zero_grad(set_to_none=True)
+    x = _x(1)
+    loss = _loss(fn(x, _params([300, 0, 1, 500])))
+    loss.backward(retain_graph=True)
+    if between is not None:
+        between()
+    loss.backward()
+    return x.grad.clone(), _grads(module)
+
+
+def test_a_retained_backward_runs_again_as_eager_or_is_refused_after_another_call(report):
+    """A second backward through a retained graph (retain_graph=True): eager's grads when nothing ran in between;
+    after another replay, a named refusal (the replay may have overwritten what it reads: the CPU fuzz found wrong
+    grads there). tests/graphs/test_backward_edge_cases.py has the CPU cases."""
+    block = _block()
+    eager = _block()
+    eager.load_state_dict(block.state_dict())
+    graphed = capture(block, (_x(0), _params([300, 0, 1, 500])))
+    gx, grads = _retained_twice(graphed, block)
+    ex, eager_grads = _retained_twice(eager, eager)
+    _close(gx, ex, "x.grad")
+    _same_grads(grads, eager_grads)
+
+    def another_call():
+        with torch.no_grad():
+            graphed(_x(2), _params([100, 100]))
+
+    with pytest.raises(RuntimeError, match="second backward through this call's autograd graph"):
+        _retained_twice(graphed, block, another_call)
+    report("retained backward twice, graphed vs eager: same grads; after another call", "refused")
+
+
+def test_a_bucket_met_first_without_grad_trains_after_an_optimizer_step_as_eager(report):
+    """Evaluation meets a signature first (its forward captured, its backward at first use), the optimizer steps,
+    then training meets it: eager's grads (the late capture refused this on the parameters' version counters)."""
+    block = _block()
+    eager = _block()
+    eager.load_state_dict(block.state_dict())
+    graphed = capture(block, (_x(0), _params([300, 0, 1, 500])))
+    results = []
+    for fn, module in ((graphed, block), (eager, eager)):
+        with torch.no_grad():
+            fn(_x(1), _params([64] * 8, max_seqlen=64))  # a new signature
+            for p in module.parameters():
+                p.mul_(0.999)  # in place, as an optimizer step updates them
+        module.zero_grad(set_to_none=True)
+        _loss(fn(_x(2), _params([64] * 8, max_seqlen=64))).backward()
+        results.append(_grads(module))
+    _same_grads(*results)
+    report("signature met under no_grad, then trained after an in-place parameter update", "eager's grads")
+
+
+def test_a_forward_only_graph_refuses_a_call_under_grad():
+    block = _block()
+    scorer = capture(block, (_x(0, requires_grad=False), _params([300, 0, 1, 500])), forward_only=True)
+    with pytest.raises(RuntimeError, match="forward_only=True"):
+        scorer(_x(1), _params([300, 0, 1, 500]))
