@@ -289,12 +289,9 @@ class GraphedCallable:
 
     def _rebind(self) -> None:
         dropped = self.cache.clear()
-        memory.let_go_retained(dropped, self.name)
-        for entry in dropped:
-            entry.release()
+        self._let_go(dropped)
         self.buffers.clear()
-        for writer in (self.uid, *map(id, dropped)):
-            self.group.handouts.forget_writer(writer)
+        self.group.handouts.forget_writer(self.uid)  # the shared buffers' records go with them
         self.tree.scan()
         # A part's parameters swap between shards and gathered tensors at every call; a callable graphed with
         # plain parameters that FSDP2 holds now would read storage FSDP2 frees.
