@@ -206,6 +206,21 @@ def rand_pspec(rng, cfg, t):
     return [lengths, cap, t, ms]
 
 
+def side_call(rng, cfg, t, fwd, name, seed, *, grad=False, scorer=None, hold=None, maybe_scorer=False):
+    """A call between a forward and its backward: ``fwd``'s settings on other params and inputs, no hooks, no
+    retained output; without ``grad`` under no_grad on an input that needs none. Draws from ``rng`` in one order
+    (params, then ``hold``, then ``maybe_scorer``), so that a seed keeps its program."""
+    op = dict(fwd, name=name, seed=seed, grad=grad, shared_P=False, pspec=rand_pspec(rng, cfg, t))
+    op.update(hold=rng.random() < 0.5 if hold is None else hold, retain_out=False, hook_hidden=False)
+    if not grad:
+        op["xmode"] = "nograd_leaf"
+    if scorer is not None:
+        op["scorer"] = scorer
+    if maybe_scorer:
+        op["scorer"] = cfg["scorer"] and rng.random() < 0.5
+    return ["fwd", op]
+
+
 def gen_program(rng, cfg, nsteps):
     ops = []
     n = 0
@@ -263,60 +278,11 @@ def gen_program(rng, cfg, nsteps):
             if "polite" in EXCLUDE:
                 r = 1.0
             if r < 0.1:
-                ops.append(
-                    [
-                        "fwd",
-                        dict(
-                            fwd,
-                            name=name + "s",
-                            seed=n + 5000,
-                            grad=False,
-                            shared_P=False,
-                            pspec=rand_pspec(rng, cfg, t),
-                            hold=rng.random() < 0.5,
-                            retain_out=False,
-                            hook_hidden=False,
-                            xmode="nograd_leaf",
-                        ),
-                    ]
-                )
+                ops.append(side_call(rng, cfg, t, fwd, name + "s", n + 5000))
             elif r < 0.18 and cfg["scorer"]:
-                ops.append(
-                    [
-                        "fwd",
-                        dict(
-                            fwd,
-                            name=name + "c",
-                            seed=n + 6000,
-                            grad=False,
-                            scorer=True,
-                            shared_P=False,
-                            pspec=rand_pspec(rng, cfg, t),
-                            hold=rng.random() < 0.5,
-                            retain_out=False,
-                            hook_hidden=False,
-                            xmode="nograd_leaf",
-                        ),
-                    ]
-                )
+                ops.append(side_call(rng, cfg, t, fwd, name + "c", n + 6000, scorer=True))
             elif r < 0.22 and cfg["scorer"] and "scorer_grad" not in EXCLUDE:  # the scorer called with grad enabled
-                ops.append(
-                    [
-                        "fwd",
-                        dict(
-                            fwd,
-                            name=name + "cg",
-                            seed=n + 6000,
-                            grad=True,
-                            scorer=True,
-                            shared_P=False,
-                            pspec=rand_pspec(rng, cfg, t),
-                            hold=False,
-                            retain_out=False,
-                            hook_hidden=False,
-                        ),
-                    ]
-                )
+                ops.append(side_call(rng, cfg, t, fwd, name + "cg", n + 6000, scorer=True, grad=True, hold=False))
                 ops.append(["bwd", name + "cg", "backward"])
             if rng.random() < 0.6 or mb == nmb - 1 or "polite" in EXCLUDE:
                 # backward of everything pending (usually just this one), most recent first or not
@@ -339,24 +305,7 @@ def gen_program(rng, cfg, nsteps):
                     ops.append(["bwd", pname, mode])
                     if mode == "retain_then":
                         # a no-grad call then the second backward
-                        ops.append(
-                            [
-                                "fwd",
-                                dict(
-                                    fwd,
-                                    name=pname + "r",
-                                    seed=n + 7000,
-                                    grad=False,
-                                    shared_P=False,
-                                    pspec=rand_pspec(rng, cfg, t),
-                                    hold=False,
-                                    retain_out=False,
-                                    hook_hidden=False,
-                                    xmode="nograd_leaf",
-                                    scorer=cfg["scorer"] and rng.random() < 0.5,
-                                ),
-                            ]
-                        )
+                        ops.append(side_call(rng, cfg, t, fwd, pname + "r", n + 7000, hold=False, maybe_scorer=True))
                         ops.append(["bwd_again", pname])
                 pending = []
         if rng.random() < 0.3:
