@@ -558,25 +558,41 @@ def _retained_twice(fn, module, between=None):
 
 
 def test_a_retained_backward_runs_again_as_eager_or_is_refused_after_another_call(report):
-    """A second backward through a retained graph (retain_graph=True): eager's grads when nothing ran in between;
-    after another replay, a named refusal (the replay may have overwritten what it reads: the CPU fuzz found wrong
-    grads there). tests/graphs/test_backward_edge_cases.py has the CPU cases."""
+    """A second backward through a retained graph (retain_graph=True), each graph keeping its activations: eager's
+    grads when nothing or another signature ran in between; after a replay of its own graph, a named refusal (the
+    replay overwrote what it reads: the CPU fuzz found wrong grads there). Sharing activations, refused at once: the
+    backward graph reuses the memory of activations it has read (its second replay read NaNs here).
+    tests/graphs/test_backward_edge_cases.py has the CPU cases."""
     block = _block()
+    shared = capture(block, (_x(0), _params([300, 0, 1, 500])))
+    with pytest.raises(RuntimeError, match="its first backward.*share_activations=False"):
+        _retained_twice(shared, block)
+    del shared
     eager = _block()
     eager.load_state_dict(block.state_dict())
-    graphed = capture(block, (_x(0), _params([300, 0, 1, 500])))
+    graphed = capture(block, (_x(0), _params([300, 0, 1, 500])), share_activations=False)
     gx, grads = _retained_twice(graphed, block)
     ex, eager_grads = _retained_twice(eager, eager)
     _close(gx, ex, "x.grad")
     _same_grads(grads, eager_grads)
 
-    def another_call():
+    def other_signature(fn):
         with torch.no_grad():
-            graphed(_x(2), _params([100, 100]))
+            fn(_x(2), _params([64] * 8, max_seqlen=64))  # its own graphs, writing none of this one's memory
+
+    gx, grads = _retained_twice(graphed, block, lambda: other_signature(graphed))
+    ex, eager_grads = _retained_twice(eager, eager, lambda: other_signature(eager))
+    _close(gx, ex, "x.grad, another signature between")
+    _same_grads(grads, eager_grads)
+
+    def same_graph():
+        with torch.no_grad():
+            graphed(_x(2), _params([300, 0, 1, 500]))
 
     with pytest.raises(RuntimeError, match="second backward through this call's autograd graph"):
-        _retained_twice(graphed, block, another_call)
-    report("retained backward twice, graphed vs eager: same grads; after another call", "refused")
+        _retained_twice(graphed, block, same_graph)
+    report("retained backward twice: shared activations / own activations / own, after its own graph ran",
+           "refused / eager's grads / refused")  # fmt: skip
 
 
 def test_a_bucket_met_first_without_grad_trains_after_an_optimizer_step_as_eager(report):

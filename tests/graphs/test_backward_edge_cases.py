@@ -2,8 +2,9 @@
 
 Eager runs a retained graph's backward again whenever the caller asks. A graphed call's backward reads activations
 and buffers in graph memory, which a later replay or capture may overwrite: then a second backward raises an error
-that names the case, and where nothing overwrote them it gives eager's grads. Found by a random schedule (a second
-backward after another call gave wrong grads, silently)."""
+that names the case, and where nothing overwrote them (``share_activations=False``) it gives eager's grads. Found
+by a random schedule (a second backward after another call gave wrong grads, silently) and by the H200 (with shared
+activations, a second backward read memory its first had reused)."""
 
 import copy
 
@@ -32,13 +33,24 @@ def _twice(fn, module, between=None):
 
 @RECORDERS
 def test_a_second_backward_with_nothing_between_gives_eager_grads(recorder):
+    """Where each graph keeps its activations (``share_activations=False``)."""
     block = _block()
     eager = copy.deepcopy(block)
-    graphed = capture_with(recorder(), block, (_x(0), _params(*P_A)))
+    graphed = capture_with(recorder(), block, (_x(0), _params(*P_A)), share_activations=False)
     gx, grads = _twice(graphed, block)
     ex, eager_grads = _twice(eager, eager)
     torch.testing.assert_close(gx, ex)
     _same_grads(grads, eager_grads)
+
+
+@RECORDERS
+def test_a_second_backward_sharing_activations_is_refused_even_with_nothing_between(recorder):
+    """A backward graph recorded without retain_graph reuses, later in the same graph, the memory of activations it
+    has read: under CUDA its second replay read NaNs. The stand-ins keep them, and must refuse all the same."""
+    block = _block()
+    graphed = capture_with(recorder(), block, (_x(0), _params(*P_A)))
+    with pytest.raises(RuntimeError, match="its first backward.*share_activations=False"):
+        _twice(graphed, block)
 
 
 def _no_grad_same(fn):
@@ -56,15 +68,33 @@ def _training_step(fn):
     _loss(fn(x, _params(*P_B))).backward(inputs=[x])
 
 
+def _training_step_same(fn):
+    x = _x(2)
+    _loss(fn(x, _params(*P_A))).backward(inputs=[x])
+
+
 @RECORDERS
-@pytest.mark.parametrize("between", [_no_grad_same, _no_grad_other, _training_step])
-def test_a_second_backward_after_another_call_is_refused(recorder, between):
+@pytest.mark.parametrize("between", [_no_grad_same, _training_step_same])
+def test_a_second_backward_after_a_call_of_its_own_graph_is_refused(recorder, between):
     block = _block()
-    graphed = capture_with(recorder(), block, (_x(0), _params(*P_A)))
+    graphed = capture_with(recorder(), block, (_x(0), _params(*P_A)), share_activations=False)
     with pytest.raises(RuntimeError, match="second backward through this call's autograd graph"):
         _twice(graphed, block, between)
     eager = _block()
     _twice(eager, eager, between)  # eager runs it: the refusal is the engine's, and says so
+
+
+@RECORDERS
+@pytest.mark.parametrize("between", [_no_grad_other, _training_step])
+def test_a_second_backward_after_a_call_of_another_signature_gives_eager_grads(recorder, between):
+    """Each graph keeps its activations, and the other signature's graphs write none of this one's memory."""
+    block = _block()
+    eager = copy.deepcopy(block)
+    graphed = capture_with(recorder(), block, (_x(0), _params(*P_A)), share_activations=False)
+    gx, grads = _twice(graphed, block, between)
+    ex, eager_grads = _twice(eager, eager, between)
+    torch.testing.assert_close(gx, ex)
+    _same_grads(grads, eager_grads)
 
 
 def _stack(share_activations):

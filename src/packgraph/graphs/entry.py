@@ -680,9 +680,9 @@ class Replay(torch.autograd.Function):
         if overwritten_by is not None:
             raise RuntimeError(
                 f"{entry.owner.name}: a second backward through this call's autograd graph (retain_graph=True), "
-                f"after {overwritten_by}. Run every backward through a retained graph before other calls of these "
-                "graphs, capture with share_activations=False (each graph keeps its own activations), or run this "
-                "callable eagerly."
+                f"after {overwritten_by}. Capture with share_activations=False (each graph keeps its activations, "
+                "and a retained backward runs again until another call of its capture group writes them), or run "
+                "this callable eagerly."
             )
         if _param_versions(entry) != ctx.versions:
             # Eager raises here for a weight its backward saved; the backward graph would read the new values.
@@ -701,5 +701,11 @@ class Replay(torch.autograd.Function):
         entry.before_replay(bwd.seq, "backward")
         grads_out = entry.replay_backward(bwd, grads)
         if _KEEP_GRAPH is None or _KEEP_GRAPH():  # unknown: as if retained (a second backward then checks)
-            memory.retain(entry, ctx)
+            if entry.owner.share_activations:
+                # Recorded without retain_graph, the backward graph let go of each activation once read and reused
+                # its memory later in the same graph: its replay overwrites what a second replay would read. The
+                # stand-in recorders keep them, and refuse here all the same.
+                ctx.overwritten_by = "its first backward, whose graph reuses the memory of the activations it read"
+            else:
+                memory.retain(entry, ctx)
         return (None, None, *grads_out)
