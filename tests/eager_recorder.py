@@ -20,7 +20,12 @@ side effect, a host read, a value baked in at capture all show); ``tests/conftes
 integration test that uses ``EagerRecorder`` under it as well.
 """
 
+import collections
+import sys
+import weakref
+
 import torch
+import torch.utils._pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from packgraph.graphs.memory import unowned_storage
@@ -240,6 +245,10 @@ class OpReplayRecorder(CaptureLikeRecorder):
 
     records_by_running = False  # replays run no autograd: the engine may free what the backward capture consumed
 
+    def __init__(self):
+        super().__init__()
+        self.replays = []  # weak references to this recorder's replays, whose op logs hold tensors CUDA would not
+
     def record(self, body, pool=None):
         self.reuse_released(pool)
         self.clock += 1
@@ -259,7 +268,44 @@ class OpReplayRecorder(CaptureLikeRecorder):
                 for _, t in refill or ():
                     if t.is_floating_point():
                         t.fill_(float("nan"))  # unwritten until the first replay
-        return OpReplay(self, recording.log, results, pool), results
+        replay = OpReplay(self, recording.log, results, pool)
+        replay.freed = self._freed_by(replay, recording.made)
+        self.replays.append(weakref.ref(replay))
+        return replay, results
+
+    def _freed_by(self, replay, made):
+        """The tensors made before this recording that it read and that nothing but the stand-in's own op logs
+        holds at its end. A CUDA capture let go of them during the recording (a backward recorded without
+        retain_graph frees each activation once read) and may reuse their memory for the graph's later tensors:
+        every replay may leave them overwritten."""
+        replay.held = list(_log_tensors(replay.log))
+        held = collections.Counter()  # id(tensor) -> references to it from the logs
+        tensors = {}  # id(tensor) -> the logs' tensors
+        for other in [r for r in (ref() for ref in self.replays) if r is not None] + [replay]:
+            for u in other.held:
+                held[id(u)] += 1
+                tensors[id(u)] = u
+        reads = {id(u) for u in _log_tensors(replay.log, reads_only=True)}
+        u = None
+        # references from outside the logs (the engine's static buffers, a caller's tensor): not the log's and its
+        # ``held`` list's, nor 4 of this line's (the dict, the items() tuple, the name, getrefcount's argument)
+        outside = {i: sys.getrefcount(u) - 4 - 2 * held[i] for i, u in tensors.items()}
+        by_storage = collections.defaultdict(list)
+        for i, u in tensors.items():
+            by_storage[u.untyped_storage()._cdata].append(i)
+        freed = []
+        for i in reads:
+            u = tensors[i]
+            storage = u.untyped_storage()
+            if storage.data_ptr() in made or not u.is_floating_point():
+                continue
+            on_it = by_storage[storage._cdata]
+            # the storage's own references: one per tensor on it (the logs' and any other, autograd's saved
+            # copies say), and ``storage``
+            others = torch._C._storage_Use_Count(storage._cdata) - 1 - len(on_it)
+            if others == 0 and not any(outside[j] for j in on_it):
+                freed.append(u)
+        return freed
 
 
 def _refuse(name):
@@ -273,6 +319,8 @@ class OpReplay:
     def __init__(self, recorder, log, results, pool):
         self.recorder, self.recorded_at, self.pool = recorder, recorder.clock, pool
         self.log, self.results, self.replays = log, results, 0
+        self.freed = []  # tensors of earlier graphs this one let go of (OpReplayRecorder._freed_by)
+        self.held = []  # every tensor the log holds
 
     def replay(self):
         self.replays += 1
@@ -285,3 +333,16 @@ class OpReplay:
                     fresh = _returned(func._schema, out)
                     for k, target in refill:
                         target.copy_(fresh[k][0])
+            for t in self.freed:
+                t.fill_(float("nan"))  # memory the graph let go of, and may have reused
+
+
+def _log_tensors(log, reads_only=False):
+    """Every tensor an op log holds: the ops' arguments and the outputs it refills (``reads_only``: arguments)."""
+    for _, args, kwargs, refill in log:
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                yield t
+        if not reads_only:
+            for _, t in refill or ():
+                yield t

@@ -1,6 +1,7 @@
 """The CPU stand-in recorders themselves. ``OpReplayRecorder`` must never be more forgiving than a CUDA graph: it
-runs no Python at replay, refuses host reads at capture, and leaves the capture's own tensors unwritten until the
-first replay. ``EagerRecorder`` re-runs the Python body, which the engine tests run under too."""
+runs no Python at replay, refuses host reads at capture, leaves the capture's own tensors unwritten until the first
+replay, and overwrites at each replay what its recording let go of. ``EagerRecorder`` re-runs the Python body, which
+the engine tests run under too."""
 
 import pytest
 import torch
@@ -136,3 +137,42 @@ def test_op_replay_captures_integer_indexing_and_refuses_boolean_indexing():
     torch.testing.assert_close(out, lin(x).detach()[idx], rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing"):
         recorder.record(lambda: [lin(x)[x[:, 0] > 0]])
+
+
+def test_op_replay_overwrites_at_each_replay_what_its_recording_let_go_of():
+    """A backward recorded without retain_graph frees each activation once read, and a CUDA graph may reuse that
+    memory later in the same graph: a second replay of it read NaNs on the H200. The stand-in leaves NaN there."""
+    recorder = stand_ins.OpReplayRecorder()
+    x = _x(0)
+    fwd, (y,) = recorder.record(lambda: [(x.exp() * 2).sum()])
+    bwd, (g,) = recorder.record(lambda: list(torch.autograd.grad([y], [x])))
+    assert len(bwd.freed) > 0 and not fwd.freed  # exp's result, saved for the backward
+    fwd.replay()
+    bwd.replay()
+    torch.testing.assert_close(g, 2 * x.detach().exp())
+    bwd.replay()
+    assert g.isnan().all()
+    fwd.replay()  # the forward writes them again
+    bwd.replay()
+    torch.testing.assert_close(g, 2 * x.detach().exp())
+
+
+def test_op_replay_keeps_what_something_else_holds():
+    """Where the backward keeps its graph (retain_graph=True), or the caller holds the activation, nothing is let go
+    of: a second replay reads it."""
+    recorder = stand_ins.OpReplayRecorder()
+    x = _x(0)
+    kept = []
+
+    def forward():
+        h = x.exp()
+        kept.append(h)
+        return [(h * 2).sum()]
+
+    fwd, (y,) = recorder.record(forward)
+    bwd, (g,) = recorder.record(lambda: list(torch.autograd.grad([y], [x])))
+    assert bwd.freed == []
+    fwd.replay()
+    bwd.replay()
+    bwd.replay()
+    torch.testing.assert_close(g, 2 * x.detach().exp())
