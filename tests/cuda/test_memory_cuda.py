@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from packgraph.buckets import default_buckets
+from packgraph.graphs import memory
 from packgraph.graphs.memory import release_spare_pools
 from packgraph.graphs.recorder import loop_stream
 from packgraph.models.gpt import GPT, GPTConfig
@@ -126,8 +127,13 @@ def test_graphs_hold_as_many_cublas_workspaces_as_eager(scope, report):
 def test_four_buckets_peak_no_higher_than_one(report):
     one = [_batch(_FOUR[0], seed) for seed in range(4)]
     four = [_batch(lengths, seed) for seed, lengths in enumerate(_FOUR)]
+    settled = memory.settled_bytes
     (p_one, c_one), (p_four, c_four) = _run(one, True), _run(four, True)
+    settled = memory.settled_bytes - settled
     (e_four, _) = _run(four, False)
+    report("memory: bytes copied off graph memory for holders, both graphed streams (MiB)", settled / 2**20)
+    report("memory: peak allocated, graphed one bucket / four buckets / eager four buckets (MiB)",
+           f"{p_one[-1][0] / 2**20:.1f} / {p_four[-1][0] / 2**20:.1f} / {e_four[-1][0] / 2**20:.1f}")  # fmt: skip
     alloc = p_four[-1][0] / p_one[-1][0]
     reserved = p_four[-1][1] / p_one[-1][1]
     report("memory: buckets captured (one-bucket / four-bucket stream)", f"{c_one} / {c_four}")

@@ -369,12 +369,13 @@ def test_grads_kept_after_they_are_set_to_none_are_moved_without_a_scan(handout_
 def test_an_alias_the_engine_never_saw_is_found_by_a_scan_without_a_swap(handout_path):
     block = _block()
     graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]), forward_only=True)
-    scans = memory.scans
+    scans, settled = memory.scans, memory.settled_bytes
     with torch.no_grad():
         kept = graphed(_x(1), SIGS["A"]).detach()[2:]  # a view of a .detach(): the engine never saw either
         graphed(_x(2), SIGS["A"])
         torch.testing.assert_close(kept, block(_x(1), SIGS["A"])[2:], rtol=0, atol=0)
     assert memory.scans == scans + (handout_path == "scan")
+    assert memory.settled_bytes == settled + kept.untyped_storage().nbytes()  # the whole output, once
 
 
 @pytest.mark.parametrize("handout_path", ["swap", "scan"], indirect=True)

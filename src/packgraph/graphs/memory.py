@@ -396,6 +396,10 @@ grads of inputs, which autograd may keep out of Python's reach, are handed out a
 scans = 0
 """Scans of the garbage collector's objects made so far (see the module docstring)."""
 
+settled_bytes = 0
+"""Bytes copied so far to move held outputs and grads off graph memory (:meth:`Handout.settle`): what holding them
+across replays costs."""
+
 KEPT_FOR_HOLDERS: list[Tensor | _Block] = []
 """Memory the engine let go of while a holder it could not move (see :meth:`Handout.settle_or_keep`) still held
 it: kept allocated for the process's lifetime rather than freed under that holder."""
@@ -495,6 +499,8 @@ class Handout:
             return
         handle, self._handle = self._handle, None
         storage = handle.untyped_storage()
+        global settled_bytes
+        settled_bytes += storage.nbytes()
         copy = torch.UntypedStorage(storage.nbytes(), device=storage.device)
         copy.copy_(storage)
         if SWAP_DATA_PTR:
