@@ -33,9 +33,8 @@ from packgraph.graphs.recorder import RecorderBase
 
 
 def _poison(storage):
-    n = storage.nbytes() // 4
-    if n:
-        torch.empty(0, dtype=torch.float32).set_(storage, 0, (n,), (1,)).fill_(float("nan"))
+    # every byte 0xFF: a NaN in each floating dtype (exponent and mantissa all ones), -1 in each signed integer one
+    torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)).fill_(255)
 
 
 class EagerRecorder(RecorderBase):
@@ -248,8 +247,11 @@ class OpReplayRecorder(CaptureLikeRecorder):
     def __init__(self):
         super().__init__()
         self.replays = []  # weak references to this recorder's replays, whose op logs hold tensors CUDA would not
+        self.let_go = []  # (storage, pool, clock) of the logs' tensors nothing else holds (_release_dead)
+        self.released_ptrs = set()  # their data_ptr
 
     def record(self, body, pool=None):
+        self._release_dead()
         self.reuse_released(pool)
         self.clock += 1
         recording = _OpRecording()
@@ -269,43 +271,76 @@ class OpReplayRecorder(CaptureLikeRecorder):
                     if t.is_floating_point():
                         t.fill_(float("nan"))  # unwritten until the first replay
         replay = OpReplay(self, recording.log, results, pool)
-        replay.freed = self._freed_by(replay, recording.made)
+        replay.made, replay.held = recording.made, list(_log_tensors(recording.log))
         self.replays.append(weakref.ref(replay))
+        # What this recording read, made before it, and let go of: a CUDA capture frees it during the recording (a
+        # backward recorded without retain_graph frees each activation once read) and may reuse its memory for
+        # the graph's later tensors, so every replay may leave it overwritten.
+        dead = self._held_by_logs_alone()
+        reads = {id(u): u for u in _log_tensors(recording.log, reads_only=True)}.values()
+        replay.freed = [
+            u
+            for u in reads
+            if u.is_floating_point()
+            and u.untyped_storage().data_ptr() not in recording.made
+            and u.untyped_storage()._cdata in dead
+        ]
         return replay, results
 
-    def _freed_by(self, replay, made):
-        """The tensors made before this recording that it read and that nothing but the stand-in's own op logs
-        holds at its end. A CUDA capture let go of them during the recording (a backward recorded without
-        retain_graph frees each activation once read) and may reuse their memory for the graph's later tensors:
-        every replay may leave them overwritten."""
-        replay.held = list(_log_tensors(replay.log))
-        held = collections.Counter()  # id(tensor) -> references to it from the logs
+    def _release_dead(self):
+        """Before a warm-up or capture: the memory of the earlier graphs' tensors that nothing but the op logs holds
+        any more (activations whose backward was recorded, say) is free pool memory for CUDA, which this capture,
+        and at every replay the graph it records, may write (``reuse_released``), as the memory the engine
+        releases itself (``unowned``)."""
+        dead = self._held_by_logs_alone()
+        for replay in self._live():
+            for u in replay.held:
+                storage = u.untyped_storage()
+                ptr = storage.data_ptr()
+                if storage._cdata in dead and ptr in replay.made and ptr not in self.released_ptrs:
+                    self.released_ptrs.add(ptr)
+                    self.let_go.append((storage, replay.pool, self.clock))
+
+    def reuse_released(self, pool, recorded_at=None):
+        super().reuse_released(pool, recorded_at)
+        for storage, where, at in self.let_go:
+            if where is pool and (recorded_at is None or at < recorded_at):
+                _poison(storage)
+
+    def warmup(self, run, iters, pool=None):
+        self._release_dead()
+        super().warmup(run, iters, pool)
+
+    def _live(self):
+        return [r for r in (ref() for ref in self.replays) if r is not None]
+
+    def _held_by_logs_alone(self):
+        """The storages (``_cdata``) of the op logs' tensors that nothing else holds: no other tensor, no Python
+        reference to a log's tensor object (``let_go`` holds the storages it has let go of already)."""
+        mine = collections.Counter()  # id(tensor) -> references to it from the replays: log, held, freed
         tensors = {}  # id(tensor) -> the logs' tensors
-        for other in [r for r in (ref() for ref in self.replays) if r is not None] + [replay]:
-            for u in other.held:
-                held[id(u)] += 1
+        for replay in self._live():
+            for u in replay.held:
+                mine[id(u)] += 2
                 tensors[id(u)] = u
-        reads = {id(u) for u in _log_tensors(replay.log, reads_only=True)}
+            for u in replay.freed:
+                mine[id(u)] += 1
         u = None
-        # references from outside the logs (the engine's static buffers, a caller's tensor): not the log's and its
-        # ``held`` list's, nor 4 of this line's (the dict, the items() tuple, the name, getrefcount's argument)
-        outside = {i: sys.getrefcount(u) - 4 - 2 * held[i] for i, u in tensors.items()}
+        # references from outside (the engine's static buffers, a caller's tensor): not the replays', nor 4 of
+        # this line's (the dict, the items() tuple, the name, getrefcount's argument)
+        outside = {i: sys.getrefcount(u) - 4 - mine[i] for i, u in tensors.items()}
         by_storage = collections.defaultdict(list)
         for i, u in tensors.items():
             by_storage[u.untyped_storage()._cdata].append(i)
-        freed = []
-        for i in reads:
-            u = tensors[i]
-            storage = u.untyped_storage()
-            if storage.data_ptr() in made or not u.is_floating_point():
-                continue
-            on_it = by_storage[storage._cdata]
-            # the storage's own references: one per tensor on it (the logs' and any other, autograd's saved
-            # copies say), and ``storage``
-            others = torch._C._storage_Use_Count(storage._cdata) - 1 - len(on_it)
+        dead = set()
+        for cdata, on_it in by_storage.items():
+            storage = tensors[on_it[0]].untyped_storage()
+            # the storage's own references: one per tensor on it (the logs' and any other, autograd's saved copies
+            # say), ``storage``, and ``let_go``'s
+            others = torch._C._storage_Use_Count(cdata) - 1 - len(on_it) - (storage.data_ptr() in self.released_ptrs)
             if others == 0 and not any(outside[j] for j in on_it):
-                freed.append(u)
-        return freed
+                dead.add(cdata)
+        return dead
 
 
 def _refuse(name):
@@ -321,6 +356,7 @@ class OpReplay:
         self.log, self.results, self.replays = log, results, 0
         self.freed = []  # tensors of earlier graphs this one let go of (OpReplayRecorder._freed_by)
         self.held = []  # every tensor the log holds
+        self.made = set()  # the storages its recording made (data_ptr)
 
     def replay(self):
         self.replays += 1
