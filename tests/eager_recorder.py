@@ -17,7 +17,10 @@ the capture, so a test can tell a write made by a replay from one made by the ca
 :class:`OpReplayRecorder` replays as CUDA does: the aten ops recorded at capture, on the tensors captured, and no
 Python. It is the stand-in that is never more forgiving than a CUDA graph (a module changed after capture, a Python
 side effect, a host read, a value baked in at capture all show); ``tests/conftest.py`` runs every engine, model and
-integration test that uses ``EagerRecorder`` under it as well.
+integration test that uses ``EagerRecorder`` under it as well. Its op logs keep every tensor they name alive, where
+CUDA frees a tensor nothing else holds: so a tensor of an earlier graph that a recording let go of (an activation a
+backward recorded without ``retain_graph`` read) is overwritten at every replay of that recording, and one that
+nothing but the logs holds is free pool memory, overwritten by later captures in its pool and their replays.
 """
 
 import collections
