@@ -453,6 +453,48 @@ def test_hidden_state_grads_kept_by_hooks_match_eager_with_two_chained_buffers(r
     assert len(chain) == 2
 
 
+def test_a_hidden_state_grad_kept_by_a_hook_keeps_its_values_after_a_layer_is_recaptured(report):
+    """A stack's layer recaptured alone (a forward hook added) may write the other chained grad buffer than the one
+    its producer's older graph reads in place: the grad is then copied into that buffer, and a grad a tensor hook
+    kept on it moves first. The CPU fuzz found the kept grad overwritten there (tests/graphs/test_backward_edge_cases.py
+    has the CPU case)."""
+    import copy
+
+    def forward(stack, x, p, kept=None):
+        for k, layer in enumerate(stack):
+            x = layer(x, p)
+            if kept is not None and k + 1 < len(stack):
+                x.register_hook(kept.append)
+        return x
+
+    layers = [_block(seed=seed) for seed in range(3)]
+    eager = copy.deepcopy(layers)
+    graphed = capture_layers(layers, (_x(0), _sig("A")), buckets=default_buckets(T))
+    results = []
+    for stack, modules in ((graphed, layers), (eager, eager)):
+        pending = forward(stack, _x(9), _sig("B"))
+        try:
+            with torch.no_grad():
+                forward(stack, _x(5009, requires_grad=False), _sig("A"))
+        except GraphOrderError:
+            assert stack is graphed  # the engine's named refusal; eager runs it
+        del pending
+        _loss(forward(stack, _x(10, requires_grad=False), _sig("C"))).backward()
+        modules[1].register_forward_hook(lambda m, a, o: o * 0.5)
+        kept = []
+        out = forward(stack, _x(20, requires_grad=False), _sig("B"), kept)
+        _loss(out).backward()
+        results.append((out.detach(), kept, [_grads(m) for m in modules]))
+    (out, kept, grads), (eager_out, eager_kept, eager_grads) = results
+    _close(out, eager_out, "output")
+    assert len(kept) == len(eager_kept) == 2
+    for i, (a, b) in enumerate(zip(kept, eager_kept, strict=True)):
+        _close(a, b, f"kept hidden-state grad {i}")
+    for a, b in zip(grads, eager_grads, strict=True):
+        _same_grads(a, b)
+    report("exact: hidden-state grads kept by hooks after a layer is recaptured alone", "eager's")
+
+
 class _LossOf(torch.nn.Module):
     """The whole loss as the graphed callable's output, as ``model.graphed(scope="model")`` has it."""
 
