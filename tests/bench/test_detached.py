@@ -15,6 +15,7 @@ def test_start_returns_at_once_and_wait_collects_the_finished_run(tmp_path):
     run, dest = tmp_path / "run", tmp_path / "dest"
     _run("start", run, "--", "--dry-run")
     assert _run("wait", run, dest, 0, check=False).returncode == 3  # the run takes seconds: still running
+    assert (dest / "started").exists()  # what the run has written so far, copied
     assert _run("wait", run, dest, 240).returncode == 0
     log = (dest / "bench.log").read_text()
     assert log.rstrip().endswith("rc=0"), log
