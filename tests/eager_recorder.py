@@ -250,11 +250,8 @@ class OpReplayRecorder(CaptureLikeRecorder):
     def __init__(self):
         super().__init__()
         self.replays = []  # weak references to this recorder's replays, whose op logs hold tensors CUDA would not
-        self.let_go = []  # (storage, pool, clock) of the logs' tensors nothing else holds (_release_dead)
-        self.released_ptrs = set()  # their data_ptr
 
     def record(self, body, pool=None):
-        self._release_dead()
         self.reuse_released(pool)
         self.clock += 1
         recording = _OpRecording()
@@ -274,74 +271,56 @@ class OpReplayRecorder(CaptureLikeRecorder):
                     if t.is_floating_point():
                         t.fill_(float("nan"))  # unwritten until the first replay
         replay = OpReplay(self, recording.log, results, pool)
-        replay.made, replay.held = recording.made, list(_log_tensors(recording.log))
+        for u in _log_tensors(recording.log):
+            storage = u.untyped_storage()
+            replay.index.setdefault(storage._cdata, {}).setdefault(id(u), [u, 1])[1] += 1  # +1: the index's
+            if storage.data_ptr() in recording.made:
+                replay.made.add(storage._cdata)
+        u = None  # no reference of this frame's may count below
         self.replays.append(weakref.ref(replay))
         # What this recording read, made before it, and let go of: a CUDA capture frees it during the recording (a
         # backward recorded without retain_graph frees each activation once read) and may reuse its memory for
         # the graph's later tensors, so every replay may leave it overwritten.
-        dead = self._held_by_logs_alone()
-        reads = {id(u): u for u in _log_tensors(recording.log, reads_only=True)}.values()
-        replay.freed = [
-            u
-            for u in reads
-            if u.is_floating_point()
-            and u.untyped_storage().data_ptr() not in recording.made
-            and u.untyped_storage()._cdata in dead
-        ]
+        reads = {
+            t.untyped_storage()._cdata for t in _log_tensors(recording.log, reads_only=True) if t.is_floating_point()
+        }
+        dead = self._held_by_logs_alone(reads - replay.made)
+        replay.freed = list(
+            {
+                id(t): t for t in _log_tensors(recording.log, reads_only=True) if t.untyped_storage()._cdata in dead
+            }.values()
+        )
+        for u in replay.freed:
+            replay.index[u.untyped_storage()._cdata][id(u)][1] += 1
         return replay, results
-
-    def _release_dead(self):
-        """Before a warm-up or capture: the memory of the earlier graphs' tensors that nothing but the op logs holds
-        any more (activations whose backward was recorded, say) is free pool memory for CUDA, which this capture,
-        and at every replay the graph it records, may write (``reuse_released``), as the memory the engine
-        releases itself (``unowned``)."""
-        dead = self._held_by_logs_alone()
-        for replay in self._live():
-            for u in replay.held:
-                storage = u.untyped_storage()
-                ptr = storage.data_ptr()
-                if storage._cdata in dead and ptr in replay.made and ptr not in self.released_ptrs:
-                    self.released_ptrs.add(ptr)
-                    self.let_go.append((storage, replay.pool, self.clock))
-
-    def reuse_released(self, pool, recorded_at=None):
-        super().reuse_released(pool, recorded_at)
-        for storage, where, at in self.let_go:
-            if where is pool and (recorded_at is None or at < recorded_at):
-                _poison(storage)
-
-    def warmup(self, run, iters, pool=None):
-        self._release_dead()
-        super().warmup(run, iters, pool)
 
     def _live(self):
         return [r for r in (ref() for ref in self.replays) if r is not None]
 
-    def _held_by_logs_alone(self):
-        """The storages (``_cdata``) of the op logs' tensors that nothing else holds: no other tensor, no Python
-        reference to a log's tensor object (``let_go`` holds the storages it has let go of already)."""
-        mine = collections.Counter()  # id(tensor) -> references to it from the replays: log, held, freed
-        tensors = {}  # id(tensor) -> the logs' tensors
+    def _held_by_logs_alone(self, candidates):
+        """Those of the ``candidates`` (storages, by ``_cdata``) that nothing holds but the replays (their op logs,
+        indexes and ``freed`` lists): no tensor of their own, no Python reference to one of the logs' tensors."""
+        on = collections.defaultdict(dict)  # cdata -> id(tensor) -> [tensor, the replays' references to it]
         for replay in self._live():
-            for u in replay.held:
-                mine[id(u)] += 2
-                tensors[id(u)] = u
-            for u in replay.freed:
-                mine[id(u)] += 1
-        u = None
-        # references from outside (the engine's static buffers, a caller's tensor): not the replays', nor 4 of
-        # this line's (the dict, the items() tuple, the name, getrefcount's argument)
-        outside = {i: sys.getrefcount(u) - 4 - mine[i] for i, u in tensors.items()}
-        by_storage = collections.defaultdict(list)
-        for i, u in tensors.items():
-            by_storage[u.untyped_storage()._cdata].append(i)
+            for cdata in candidates & replay.index.keys():
+                for i, (u, refs) in replay.index[cdata].items():
+                    on[cdata].setdefault(i, [u, 0])[1] += refs
+        u = None  # the loop's name would hold one more reference below
         dead = set()
-        for cdata, on_it in by_storage.items():
-            storage = tensors[on_it[0]].untyped_storage()
-            # the storage's own references: one per tensor on it (the logs' and any other, autograd's saved copies
-            # say), ``storage``, and ``let_go``'s
-            others = torch._C._storage_Use_Count(cdata) - 1 - len(on_it) - (storage.data_ptr() in self.released_ptrs)
-            if others == 0 and not any(outside[j] for j in on_it):
+        for cdata, tensors in on.items():
+            _storage = next(iter(tensors.values()))[0].untyped_storage()  # held: counted below
+            # the storage's references: one per tensor on it (the logs' and any other, autograd's saved copies say),
+            # and its Python object (``_storage``)
+            if torch._C._storage_Use_Count(cdata) - 1 - len(tensors) > 0:
+                continue
+            # Python's references to each tensor beyond the replays' (3 are this line's: ``on``'s list, getrefcount's
+            # argument, the loop's name), and C++'s to its TensorImpl beyond its Python object's and its views'
+            # (``_base``): autograd saves an op's input as the same TensorImpl, seen by neither count above
+            bases = collections.Counter(id(v._base) for v, _ in tensors.values() if v._base is not None)
+            if all(
+                sys.getrefcount(u) - 3 - refs == 0 and u._use_count() == 1 + bases[i]
+                for i, (u, refs) in tensors.items()
+            ):
                 dead.add(cdata)
         return dead
 
@@ -358,8 +337,9 @@ class OpReplay:
         self.recorder, self.recorded_at, self.pool = recorder, recorder.clock, pool
         self.log, self.results, self.replays = log, results, 0
         self.freed = []  # tensors of earlier graphs this one let go of (OpReplayRecorder._freed_by)
-        self.held = []  # every tensor the log holds
-        self.made = set()  # the storages its recording made (data_ptr)
+        # storage (_cdata) -> id(tensor) -> [a tensor of the log on it, references to it from the log and here]
+        self.index = {}
+        self.made = set()  # the storages its recording made (_cdata)
 
     def replay(self):
         self.replays += 1
