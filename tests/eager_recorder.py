@@ -19,8 +19,8 @@ Python. It is the stand-in that is never more forgiving than a CUDA graph (a mod
 side effect, a host read, a value baked in at capture all show); ``tests/conftest.py`` runs every engine, model and
 integration test that uses ``EagerRecorder`` under it as well. Its op logs keep every tensor they name alive, where
 CUDA frees a tensor nothing else holds: so a tensor of an earlier graph that a recording let go of (an activation a
-backward recorded without ``retain_graph`` read) is overwritten at every replay of that recording, and one that
-nothing but the logs holds is free pool memory, overwritten by later captures in its pool and their replays.
+backward recorded without ``retain_graph`` read) is overwritten at every replay of that recording. Not modelled: such
+memory reused by the later captures of its pool (the engine's own releases are, through ``unowned``).
 """
 
 import collections
