@@ -703,8 +703,8 @@ class Replay(torch.autograd.Function):
         if _KEEP_GRAPH is None or _KEEP_GRAPH():  # unknown: as if retained (a second backward then checks)
             if entry.owner.share_activations:
                 # Recorded without retain_graph, the backward graph let go of each activation once read and reused
-                # its memory later in the same graph: its replay overwrites what a second replay would read. The
-                # stand-in recorders keep them, and refuse here all the same.
+                # its memory later in the same graph: its replay overwrites what a second replay would read. Every
+                # recorder refuses it alike (the stand-ins, which record by running, do not reuse that memory).
                 ctx.overwritten_by = "its first backward, whose graph reuses the memory of the activations it read"
             else:
                 memory.retain(entry, ctx)
