@@ -704,7 +704,7 @@ class Replay(torch.autograd.Function):
             if entry.owner.share_activations:
                 # Recorded without retain_graph, the backward graph let go of each activation once read and reused
                 # its memory later in the same graph: its replay overwrites what a second replay would read. Every
-                # recorder refuses it alike (the stand-ins, which record by running, do not reuse that memory).
+                # recorder refuses it alike (the eager stand-in keeps that memory; op-replay overwrites it as CUDA may).
                 ctx.overwritten_by = "its first backward, whose graph reuses the memory of the activations it read"
             else:
                 memory.retain(entry, ctx)
