@@ -6,6 +6,7 @@ each grad within 2e-2 of its eager max (FlashAttention's backward accumulates wi
 compared exactly.
 """
 
+import copy
 import random
 import warnings
 
@@ -18,6 +19,7 @@ from packgraph.models.gpt import GPT, Block, GPTConfig
 from packgraph.packing import PackedBatch
 from packgraph.params import PackedSeqParams
 from tests.cuda.test_graphs_cuda import CAPACITY, DEV, FWD_TOL, GRAD_RTOL, D, T, _block
+from tests.graphs.test_backward_edge_cases import forward_keeping_hidden_grads
 
 pytestmark = pytest.mark.cuda
 
@@ -458,31 +460,22 @@ def test_a_hidden_state_grad_kept_by_a_hook_keeps_its_values_after_a_layer_is_re
     its producer's older graph reads in place: the grad is then copied into that buffer, and a grad a tensor hook
     kept on it moves first. The CPU fuzz found the kept grad overwritten there (tests/graphs/test_backward_edge_cases.py
     has the CPU case)."""
-    import copy
-
-    def forward(stack, x, p, kept=None):
-        for k, layer in enumerate(stack):
-            x = layer(x, p)
-            if kept is not None and k + 1 < len(stack):
-                x.register_hook(kept.append)
-        return x
-
     layers = [_block(seed=seed) for seed in range(3)]
     eager = copy.deepcopy(layers)
     graphed = capture_layers(layers, (_x(0), _sig("A")), buckets=default_buckets(T))
     results = []
     for stack, modules in ((graphed, layers), (eager, eager)):
-        pending = forward(stack, _x(9), _sig("B"))
+        pending = forward_keeping_hidden_grads(stack, _x(9), _sig("B"))
         try:
             with torch.no_grad():
-                forward(stack, _x(5009, requires_grad=False), _sig("A"))
+                forward_keeping_hidden_grads(stack, _x(5009, requires_grad=False), _sig("A"))
         except GraphOrderError:
             assert stack is graphed  # the engine's named refusal; eager runs it
         del pending
-        _loss(forward(stack, _x(10, requires_grad=False), _sig("C"))).backward()
+        _loss(forward_keeping_hidden_grads(stack, _x(10, requires_grad=False), _sig("C"))).backward()
         modules[1].register_forward_hook(lambda m, a, o: o * 0.5)
         kept = []
-        out = forward(stack, _x(20, requires_grad=False), _sig("B"), kept)
+        out = forward_keeping_hidden_grads(stack, _x(20, requires_grad=False), _sig("B"), kept)
         _loss(out).backward()
         results.append((out.detach(), kept, [_grads(m) for m in modules]))
     (out, kept, grads), (eager_out, eager_kept, eager_grads) = results

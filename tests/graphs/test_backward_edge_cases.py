@@ -129,6 +129,15 @@ def test_a_stack_sharing_activations_refuses_a_second_backward():
         _twice(_run(stack), torch.nn.ModuleList(layers))
 
 
+def forward_keeping_hidden_grads(stack, x, p, kept=None):
+    """The stack's output; with ``kept``, a tensor hook appends the grad of each hidden state between layers."""
+    for k, layer in enumerate(stack):
+        x = layer(x, p)
+        if kept is not None and k + 1 < len(stack):
+            x.register_hook(kept.append)
+    return x
+
+
 @RECORDERS
 def test_a_hidden_state_grad_kept_by_a_hook_keeps_its_values(recorder):
     """A stack's layer recaptured alone (a forward hook added) writes the other chained grad buffer than the one its
@@ -141,30 +150,23 @@ def test_a_hidden_state_grad_kept_by_a_hook_keeps_its_values(recorder):
     def params(lengths, capacity, max_seqlen):
         return PackedSeqParams.from_seqlens(lengths, capacity=capacity, total_tokens=48, max_seqlen=max_seqlen)
 
-    def forward(stack, x, p, kept=None):
-        for k, layer in enumerate(stack):
-            x = layer(x, p)
-            if kept is not None and k + 1 < len(stack):
-                x.register_hook(kept.append)
-        return x
-
     layers = [_block(seed) for seed in range(3)]
     eager = copy.deepcopy(layers)
     policy = BucketPolicy((16, 48), (4, 12, 48))
     graphed = capture_layers_with(recorder(), layers, (_x(0), params([12, 3], 8, 48)), buckets=policy)
     results = []
     for stack, modules in ((graphed, layers), (eager, eager)):
-        pending = forward(stack, _x(9), params([30, 4], 2, 30))
+        pending = forward_keeping_hidden_grads(stack, _x(9), params([30, 4], 2, 30))
         try:
             with torch.no_grad():
-                forward(stack, _x(5009, requires_grad=False), params([12, 3], 2, 12))
+                forward_keeping_hidden_grads(stack, _x(5009, requires_grad=False), params([12, 3], 2, 12))
         except GraphOrderError:
             assert stack is graphed  # the engine's named refusal; eager runs it
         del pending
-        _loss(forward(stack, _x(10, requires_grad=False), params([5], 1, 5))).backward()
+        _loss(forward_keeping_hidden_grads(stack, _x(10, requires_grad=False), params([5], 1, 5))).backward()
         modules[1].register_forward_hook(lambda m, a, o: o * 0.5)
         kept = []
-        out = forward(stack, _x(20, requires_grad=False), params([5], 2, 48), kept)
+        out = forward_keeping_hidden_grads(stack, _x(20, requires_grad=False), params([5], 2, 48), kept)
         _loss(out).backward()
         results.append((out.detach(), kept, [_grads(m) for m in modules]))
     (out, kept, grads), (eager_out, eager_kept, eager_grads) = results
