@@ -236,7 +236,9 @@ def _overlap(entry: Entry, seq: int | None, what: str, other: Entry) -> str | No
 
 def retain(entry: Entry, ctx: object) -> None:
     """``entry``'s backward ran with ``retain_graph=True``: autograd may run it again from ``ctx`` (its node), as
-    long as no replay or capture has written the memory it reads since (:func:`overwrite_retained`)."""
+    long as no replay or capture has written the memory it reads since (:func:`overwrite_retained`). Only a graph
+    that keeps its activations (``share_activations=False``) is retained: a shared one's backward graph reuses
+    them, and its second backward is refused outright (``Replay.backward``)."""
     ctx.overwritten_by = None  # type: ignore[attr-defined]
     entry.owner.group.retained[id(ctx)] = (entry, weakref.ref(ctx))
 
@@ -249,12 +251,10 @@ def overwrite_retained(entry: Entry, seq: int | None, what: str, *, capture: boo
     for key, (other, ref) in list(retained.items()):
         ctx = ref()
         if ctx is not None:
-            if capture:
-                same_buffers = other.owner is entry.owner and entry.owner.share_activations
-                hit = same_buffers or (other.pool is entry.pool and freed_at(other) < math.inf)
-            else:
-                hit = _overlap(entry, seq, what, other) is not None
-            # A chained graph reads its producer's output in place, whatever the pools: a forward writes it.
+            # A capture allocates nothing over a retained graph's memory: its activations and buffers are its own
+            # and stay allocated (retain). A replay may write it (_overlap), and a chained graph reads its
+            # producer's output in place, whatever the pools: a forward, or its capture, writes that.
+            hit = not capture and _overlap(entry, seq, what, other) is not None
             hit = hit or (what != "backward" and other.chained and (capture or _reads_output_of(other, entry)))
             if not hit:
                 continue
