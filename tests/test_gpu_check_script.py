@@ -14,7 +14,16 @@ def _split(count: int, jobs: int, j: int) -> int:
 
 
 def _shard(
-    root: Path, shard: str = "1/1", *, tests: int, failures: int = 0, skipped: int = 0, jobs: int = 1, exits=None, **m
+    root: Path,
+    shard: str = "1/1",
+    *,
+    tests: int,
+    failures: int = 0,
+    skipped: int = 0,
+    jobs: int = 1,
+    exits=None,
+    bench_exit: str | None = None,
+    **m,
 ) -> Path:
     """A shard's folder as gpu-check leaves it; with jobs > 1, the counts are split over the pytest processes."""
     out = root / shard.replace("/", "-")
@@ -38,6 +47,8 @@ def _shard(
             "</testsuites>"
         )
         (out / f"{name}.exit").write_text(f"{code}\n")
+    if bench_exit is not None:
+        (out / "bench.exit").write_text(f"{bench_exit}\n")
     row = {"test": "t", "name": f"figure of {shard}", "value": 1.5, "unit": "ms"}
     (out / "report.jsonl").write_text(json.dumps(row) + "\n")
     return out
@@ -63,6 +74,23 @@ def test_the_verdict_is_pass_only_with_no_failure_and_every_package(tmp_path):
     proc = _summary(_shard(tmp_path, tests=5, skipped=1))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.rstrip().endswith("verdict        : pass")
+
+
+@pytest.mark.parametrize(
+    "shards,verdict",
+    [
+        ([dict(bench=False), dict(bench=True, bench_exit="0")], "pass"),
+        ([dict(bench=False), dict(bench=True)], "INCOMPLETE (the benchmark of shard 2/2 (exit none: stopped before"),
+        ([dict(bench=False), dict(bench=True, bench_exit="1")], "INCOMPLETE (the benchmark of shard 2/2 (exit 1)"),
+        ([dict(bench=False), dict(bench=False)], "INCOMPLETE (tests only"),
+    ],
+)
+def test_the_verdict_is_pass_only_once_a_shard_ran_the_benchmark_to_its_end(tmp_path, shards, verdict):
+    """A shard cut during its benchmark (a device call's limit) has every junit file: only bench.exit tells."""
+    dirs = [_shard(tmp_path, f"{k}/2", tests=3, **m) for k, m in enumerate(shards, 1)]
+    proc = _summary(*dirs)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip().splitlines()[-1].startswith(f"verdict        : {verdict}")
 
 
 @pytest.mark.parametrize(
