@@ -13,8 +13,9 @@ between them. On the H200 (torch 2.11), compiled, it matched the float64 referen
 grads, causal, windows, softcapping, padded layouts), and one CUDA graph of its forward and backward, block mask
 included, replayed 8 packings of 1 to 13 documents with no host read and the values of the compiled call
 (tests/cuda/test_doc_mask_cuda.py; bench/results/2026-12-03-h200-gpu-check-slot-fix/). Its kernel's speed hangs
-on the forward's tiles (:func:`default_tiles`): with them, at T=8192 in bf16, its forward+backward took 0.86-0.97x
-FA2's at head size 64 and 0.72-0.80x at 128 (bench/results/2026-12-03-h200-backends-tiles/).
+on its tiles (:func:`default_tiles`): with them, at T=8192 in bf16 on one packing per mix, the kernel's
+forward+backward took 0.81-0.89x FA2's (``varlen_attention``'s) at head size 64 and 0.71-0.81x at 128, the block
+mask built ahead (bench/results/2026-12-04-h200-backends-8192/).
 .. warning:: torch 2.13's FlexAttention has no backward on the CPU: there it serves forward passes only (scoring,
    and the CPU tests of this module).
 .. warning:: A block that straddles two documents multiplies one document's values by the other's zero
@@ -119,23 +120,33 @@ def _block_mask(
     return build(mask_mod, 1, None, total, total, device=device, BLOCK_SIZE=block_size), live
 
 
-# Measured on the H200 (sm90, bf16, torch 2.11, T=8192; bench/results/2026-12-03-h200-backends-tiles/): Inductor's
-# default forward tiles at head size 64 (128 x 128, 4 warps) made the forward 2-17x slower than these; at head
-# sizes 64 and 128, on every mix, these gave the shortest forward+backward of the fixed choices timed, within 9%
-# of max-autotune's. The backward keeps Inductor's tiles.
+# Measured on the H200 (sm90, bf16, torch 2.11, T=8192; bench/results/2026-12-03-h200-backends-tiles/ and
+# 2026-12-04-h200-backends-8192/). Forward: Inductor's default at head size 64 (128 x 128, 4 warps) made it 2-17x
+# slower than these; at 64 and 128, on every mix, these gave the shortest forward+backward of the fixed choices.
+# Backward: at head size 64 these tiles took 6-8% off the forward+backward on every mix (about max-autotune's); at
+# 128 they were 18-21% slower than Inductor's default, which stays there.
 _SM90_FORWARD_TILES = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3}
+_SM90_BACKWARD_TILES_D64 = {
+    "bwd_BLOCK_M1": 64,
+    "bwd_BLOCK_N1": 64,
+    "bwd_BLOCK_M2": 64,
+    "bwd_BLOCK_N2": 64,
+    "bwd_num_warps": 4,
+    "bwd_num_stages": 3,
+}
 
 
 def default_tiles(q: Tensor) -> dict[str, int | bool] | None:
-    """The kernel options :func:`doc_mask_attention` uses for ``q`` when given none: the forward tiles measured best
-    on sm90 GPUs (H100, H200) for bf16 or fp16 at head sizes 64 and 128, else ``None`` (Inductor's default)."""
+    """The kernel options :func:`doc_mask_attention` uses for ``q`` when given none: the tiles measured best on sm90
+    GPUs (H100, H200) for bf16 or fp16, forward at head sizes 64 and 128, backward at 64; else ``None`` (Inductor's
+    default)."""
     if (
         q.is_cuda
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[-1] in (64, 128)
         and torch.cuda.get_device_capability(q.device) == (9, 0)
     ):
-        return dict(_SM90_FORWARD_TILES)
+        return _SM90_FORWARD_TILES | (_SM90_BACKWARD_TILES_D64 if q.shape[-1] == 64 else {})
     return None
 
 
