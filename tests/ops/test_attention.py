@@ -472,3 +472,49 @@ def test_reference_attention_under_cpu_bf16_autocast_matches_float32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = varlen_attention(q, q, q, p)
     torch.testing.assert_close(got, varlen_attention(q, q, q, p), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------- dead rows' zeros
+class _Views(torch.overrides.TorchFunctionMode):
+    """Records the dtypes that tensors are viewed as."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.view and len(args) == 2 and isinstance(args[1], torch.dtype):
+            self.dtypes.append(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32, F64: torch.int64}
+
+
+@pytest.mark.parametrize("dtype", list(_BITS))
+@pytest.mark.parametrize(
+    "make,words",
+    [
+        (lambda t: t, True),  # [12, 3, 8]: a row of 24 elements, whole words in every dtype
+        (lambda t: t[:, :, :5].contiguous(), None),  # 15 elements a row: words in float64 only
+        (lambda t: t[:, :, ::2], False),  # not contiguous
+        (lambda t: t.reshape(-1)[1:97].view(12, 8), None),  # storage offset 1: words in float64 only
+        (lambda t: t.requires_grad_(), False),
+    ],
+)
+def test_dead_rows_become_exact_zeros_and_live_rows_keep_their_bits(dtype, make, words):
+    """The select on 8-byte words gives torch.where's bits: +0.0 in dead rows (NaN there included), and live rows
+    as they were (-0.0, infinities, NaN)."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(12, 3, 8, generator=gen, dtype=F64).to(dtype)
+    base[0, 0, :3] = torch.tensor([-0.0, math.inf, math.nan], dtype=dtype)
+    base[5] = math.nan
+    x = make(base.clone())
+    live = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 0], dtype=torch.bool)
+    want = torch.where(live.view(-1, *[1] * (x.dim() - 1)), x.detach(), 0)
+    with _Views() as views:
+        got = attention_mod._zero_dead_rows(x, live)
+    assert torch.equal(got.detach().view(_BITS[dtype]), want.view(_BITS[dtype]))
+    assert got.requires_grad == x.requires_grad
+    took_words = torch.int64 in views.dtypes
+    assert took_words == (words if words is not None else dtype == F64)

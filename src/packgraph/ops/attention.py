@@ -518,6 +518,29 @@ def flash_offsets(packed_seq_params: PackedSeqParams) -> tuple[Tensor, Tensor]:
     return cu_q, (cu_q if _kv_shares_q_offsets(p) else interleave("kv"))
 
 
+def _zero_dead_rows(x: Tensor, live: Tensor) -> Tensor:
+    """``x`` with the rows where ``live`` (bool ``[rows]``) is False set to exact zeros, the others bit for bit.
+
+    A select that broadcasts ``live`` over each row has no vectorized CUDA kernel: its time grows with the element
+    count, not the bytes. So it selects 8-byte words where a row's bytes allow (a quarter of a bf16 tensor's
+    elements): an all-zero word is +0.0 in every floating dtype. Not while compiling (Inductor fuses the plain select
+    into its own kernel) nor on a tensor that requires grad (a word view has none)."""
+    rows = x.shape[0]
+    per_word = 8 // x.element_size() if 8 % x.element_size() == 0 else 0
+    if (
+        rows
+        and per_word
+        and x.is_contiguous()
+        and (x.numel() // rows) % per_word == 0
+        and x.storage_offset() % per_word == 0
+        and not x.requires_grad
+        and not torch.compiler.is_compiling()
+    ):
+        words = x.view(rows, -1).view(torch.int64)
+        return torch.where(live[:, None], words, 0).view(x.dtype).view(x.shape)
+    return torch.where(live.view(-1, *[1] * (x.dim() - 1)), x, 0)
+
+
 class _ZeroDeadRowGrad(torch.autograd.Function):
     """Identity forward; the backward zeroes the gradient of dead rows.
 
@@ -534,7 +557,7 @@ class _ZeroDeadRowGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         (live,) = ctx.saved_tensors
-        return torch.where(live[:, None, None], grad, 0), None
+        return _zero_dead_rows(grad, live), None
 
 
 def _flash_attention(
@@ -610,7 +633,7 @@ class _ZeroDeadRowsOut(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: Tensor, live: Tensor) -> Tensor:
-        return torch.where(live[:, None, None], out, 0)
+        return _zero_dead_rows(out, live)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
