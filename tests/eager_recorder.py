@@ -18,9 +18,11 @@ the capture, so a test can tell a write made by a replay from one made by the ca
 Python. It is the stand-in that is never more forgiving than a CUDA graph (a module changed after capture, a Python
 side effect, a host read, a value baked in at capture all show); ``tests/conftest.py`` runs every engine, model and
 integration test that uses ``EagerRecorder`` under it as well. Its op logs keep every tensor they name alive, where
-CUDA frees a tensor nothing else holds: so a tensor of an earlier graph that a recording let go of (an activation a
-backward recorded without ``retain_graph`` read) is overwritten at every replay of that recording. Not modelled: such
-memory reused by the later captures of its pool (the engine's own releases are, through ``unowned``).
+CUDA frees a tensor nothing else holds, so it overwrites such tensors where CUDA may reuse their memory: a tensor of
+an earlier graph that a recording let go of (an activation a backward recorded without ``retain_graph`` read) at
+every replay of that recording; and any memory a recording made that nothing but the logs holds any more, at every
+later warm-up and capture in its pool and at every replay of the graphs recorded after it was let go, as the
+memory the engine releases itself (``unowned``).
 """
 
 import collections
@@ -250,8 +252,11 @@ class OpReplayRecorder(CaptureLikeRecorder):
     def __init__(self):
         super().__init__()
         self.replays = []  # weak references to this recorder's replays, whose op logs hold tensors CUDA would not
+        self.let_go = []  # (storage, its pool, clock): memory of earlier graphs that nothing but the op logs holds
+        self._let_go = set()  # their _cdata
 
     def record(self, body, pool=None):
+        self._let_go_of_dead()
         self.reuse_released(pool)
         self.clock += 1
         recording = _OpRecording()
@@ -294,6 +299,31 @@ class OpReplayRecorder(CaptureLikeRecorder):
             replay.index[u.untyped_storage()._cdata][id(u)][1] += 1
         return replay, results
 
+    def warmup(self, run, iters, pool=None):
+        self._let_go_of_dead()
+        super().warmup(run, iters, pool)
+
+    def reuse_released(self, pool, recorded_at=None):
+        super().reuse_released(pool, recorded_at)
+        for storage, where, at in self.let_go:
+            if where is pool and (recorded_at is None or at < recorded_at):
+                _poison(storage)
+                self.poisonings += 1
+
+    def _let_go_of_dead(self):
+        """Before a warm-up or capture: the memory that earlier recordings made and that nothing but the op logs
+        holds any more (an activation whose backward was recorded, a temporary) is free in CUDA's pool, where this
+        capture, and at every replay the graph it records, may write it: from now on it is treated as the memory
+        the engine releases itself (``unowned``)."""
+        live = self._live()
+        dead = self._held_by_logs_alone(set().union(*(r.made for r in live)) - self._let_go)
+        for replay in live:
+            for cdata in dead & replay.made:
+                if cdata not in self._let_go:
+                    self._let_go.add(cdata)
+                    u = next(iter(replay.index[cdata].values()))[0]
+                    self.let_go.append((u.untyped_storage(), replay.pool, self.clock))
+
     def _live(self):
         return [r for r in (ref() for ref in self.replays) if r is not None]
 
@@ -301,13 +331,21 @@ class OpReplayRecorder(CaptureLikeRecorder):
         """Those of the ``candidates`` (storages, by ``_cdata``) that nothing holds but the replays (their op logs,
         indexes and ``freed`` lists): no tensor of their own, no Python reference to one of the logs' tensors."""
         on = collections.defaultdict(dict)  # cdata -> id(tensor) -> [tensor, the replays' references to it]
+        moved = set()  # storages a log's tensor has left since its recording (the engine's set_)
         for replay in self._live():
             for cdata in candidates & replay.index.keys():
                 for i, (u, refs) in replay.index[cdata].items():
                     on[cdata].setdefault(i, [u, 0])[1] += refs
+                    if u.untyped_storage()._cdata != cdata:
+                        moved.add(cdata)
         u = None  # the loop's name would hold one more reference below
         dead = set()
         for cdata, tensors in on.items():
+            if cdata in moved:
+                # The engine pointed a tensor of the log at other memory (an alias of a buffer it keeps, after
+                # copying into that buffer): what the log names is that memory now, not this storage's, which may
+                # be freed already (its _cdata then names nothing).
+                continue
             _storage = next(iter(tensors.values()))[0].untyped_storage()  # held: counted below
             # the storage's references: one per tensor on it (the logs' and any other, autograd's saved copies say),
             # and its Python object (``_storage``)

@@ -1,6 +1,7 @@
 """The CPU stand-in recorders themselves. ``OpReplayRecorder`` must never be more forgiving than a CUDA graph: it
 runs no Python at replay, refuses host reads at capture, leaves the capture's own tensors unwritten until the first
-replay, and overwrites at each replay what its recording let go of. ``EagerRecorder`` re-runs the Python body, which
+replay, and overwrites what CUDA may reuse: at each replay what its recording let go of, and what only its logs
+hold at later captures of the pool and the replays of their graphs. ``EagerRecorder`` re-runs the Python body, which
 the engine tests run under too."""
 
 import pytest
@@ -9,6 +10,7 @@ from torch import nn
 
 from packgraph.graphs import GraphCaptureError
 from packgraph.graphs.capture import capture_with
+from packgraph.graphs.memory import unowned_storage
 
 # No global named EagerRecorder: these tests are about each stand-in, which tests/conftest.py must not swap.
 from tests import eager_recorder as stand_ins
@@ -176,3 +178,47 @@ def test_op_replay_keeps_what_something_else_holds():
     bwd.replay()
     bwd.replay()
     torch.testing.assert_close(g, 2 * x.detach().exp())
+
+
+def test_op_replay_lets_later_captures_of_the_pool_write_what_only_its_logs_hold():
+    """Once a backward is recorded, the forward's activation is free pool memory in CUDA: a graph captured later in
+    that pool may use it, so replaying that graph between the forward and the backward leaves the backward reading
+    its values. The stand-in overwrites such memory at each capture in the pool and at each replay of the graphs
+    recorded after it was let go; a graph of another pool leaves it alone."""
+    recorder = stand_ins.OpReplayRecorder()
+    pool, elsewhere = recorder.new_pool(), recorder.new_pool()
+    x = _x(0)
+    fwd, (y,) = recorder.record(lambda: [(x.exp() * 2).sum()], pool)
+    bwd, (g,) = recorder.record(lambda: list(torch.autograd.grad([y], [x])), pool)
+    apart, _ = recorder.record(lambda: [x.detach() + 1], elsewhere)
+    later, _ = recorder.record(lambda: [x.detach() * 3], pool)
+    assert recorder.let_go  # exp's result among them
+    for between, poisoned in ((None, False), (apart, False), (later, True), (None, False)):
+        fwd.replay()
+        if between is not None:
+            between.replay()
+        bwd.replay()
+        assert g.isnan().all() if poisoned else torch.equal(g, 2 * x.detach().exp())
+
+
+def test_op_replay_follows_a_tensor_the_engine_pointed_at_a_buffer_it_keeps():
+    """The engine gives a later signature's raw output back to the pool by pointing the tensor at an alias of the
+    buffer it copies into (``free_copied``). The log's tensor then names the buffer, which the engine keeps: no
+    later capture may overwrite it."""
+    recorder = stand_ins.OpReplayRecorder()
+    pool = recorder.new_pool()
+    x = _x(0)
+    kept = torch.full((3, 4), 7.0, dtype=torch.float64)
+    raw = []
+
+    def body():
+        raw.append(x.detach().exp())
+        return [raw[0] + 1]
+
+    graph, _ = recorder.record(body, pool)  # kept, as the engine keeps its graphs
+    freed = raw[0].untyped_storage()  # held here so that the stand-in's reference counts read a live storage
+    with torch.no_grad():
+        raw.pop().set_(unowned_storage(kept.untyped_storage()), 0, kept.size(), kept.stride())
+    recorder.record(lambda: [x.detach() * 3], pool)
+    assert graph.log and freed.nbytes() == kept.untyped_storage().nbytes()
+    assert torch.equal(kept, torch.full((3, 4), 7.0, dtype=torch.float64))
