@@ -294,7 +294,9 @@ FLEX_TILES: dict[str, dict[str, Any]] = {
     "packgraph default": {},
     "Inductor default": {"kernel_options": {}},
     "fwd 64x64 w4 s3": {"kernel_options": _FWD},
-    "fwd 64x64 w4 s3, TMA": {"kernel_options": {**_FWD, "USE_TMA": True}},
+    "fwd 64x64 w4 s3 TMA, bwd 64x64 w4 s3": {
+        "kernel_options": {**_FWD, "fwd_USE_TMA": True, **_tiles(64, 64, 4, 3, backward=True)}
+    },
     "fwd 64x64 w4 s3, bwd 64x64 w4 s3": {"kernel_options": {**_FWD, **_tiles(64, 64, 4, 3, backward=True)}},
     "fwd 64x64 w4 s3, bwd 32x64 w4 s3": {"kernel_options": {**_FWD, **_tiles(32, 64, 4, 3, backward=True)}},
     "fwd 64x64 w4 s3, bwd 64x64 w4 s4": {"kernel_options": {**_FWD, **_tiles(64, 64, 4, 4, backward=True)}},
@@ -302,12 +304,13 @@ FLEX_TILES: dict[str, dict[str, Any]] = {
 }
 """The document mask's kernel choices :func:`flex_tiles` times: packgraph's default (:func:`~packgraph.ops.doc_mask.
 default_tiles`); Inductor's default for the GPU, dtype and head size; the forward tiles packgraph picks on sm90
-(``BLOCK_M`` queries x ``BLOCK_N`` keys, warps, pipeline stages), alone, with loads by the Hopper tensor memory
-accelerator (``USE_TMA``, off by default on CUDA in torch 2.11), and with three backward tilings from Inductor's
-autotuning candidates (its sm90 default for head sizes 64-128 is 64 x 128 with 8 warps), one of them on a block
-mask of 64 x 64 blocks instead of 128 x 128 (less work in the blocks that straddle two documents); and
-``mode="max-autotune-no-cudagraphs"``, which times Inductor's candidates at the first call. The forward tilings of
-an earlier study (128 x 64, 128 x 128, TMA alone) are in bench/results/2026-12-03-h200-backends-tiles/."""
+(``BLOCK_M`` queries x ``BLOCK_N`` keys, warps, pipeline stages), alone and with three backward tilings from
+Inductor's autotuning candidates (its sm90 default for head sizes 64-128 is 64 x 128 with 8 warps); the same with
+the forward's loads by the Hopper tensor memory accelerator (``fwd_USE_TMA``: the forward only, since TMA in both
+made the backward slower in every cell of bench/results/2026-12-04-h200-backends-8192/, while it took 12% off the
+forward at head size 64 on one long document); and ``mode="max-autotune-no-cudagraphs"``, which times Inductor's
+candidates at the first call. The forward tilings of an earlier study (128 x 64, 128 x 128, TMA alone) are in
+bench/results/2026-12-03-h200-backends-tiles/."""
 
 
 def flex_tiles(
