@@ -100,14 +100,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         steps=20,
         warmup=3,
         graph_batches=200,
-        # this budget and the sweep's 2 packings keep the whole preset within one 10-minute device call
+        # this budget and the sweep's 2 packings keep the preset within two 10-minute device calls
         # (docs/bench.md)
         graph_budget_s=8.0,
         attention=dict(T=[8192], mixes=list(MIXES), head_dims=[64, 128], heads=16, packings=2, reps=5),
         max_corpus_docs=None,
-        # a safety net under the device's 600 s per command: units not started by then are recorded as skipped,
-        # and the run still writes its table and plots
-        time_limit_s=550.0,
+        # a safety net: units not started by then are recorded as skipped, and the run still writes its table and
+        # plots. The preset outgrew one device call (600 s) with the document-mask methods: it runs detached across
+        # two (scripts/bench-detached), and its limit is theirs.
+        time_limit_s=1100.0,
     ),
     # torch DDP against the explicit all-reduce, world size 1, side by side (docs/distributed.md)
     "ddp": dict(
