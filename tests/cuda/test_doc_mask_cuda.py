@@ -109,14 +109,14 @@ def test_other_kernel_tiles_match_float64_reference_with_grads(tiles, report):
 
 def test_default_tiles_are_the_measured_tiles_on_sm90():
     """With no ``kernel_options``, the kernel runs :func:`default_tiles`: on sm90 in bf16 the tiles of the H200
-    studies (forward and backward at head size 64, forward at 128), bit for bit the call given them explicitly;
-    elsewhere Inductor's default."""
+    studies (forward, TMA forward loads and backward at head size 64, forward at 128), bit for bit the call given
+    them explicitly; elsewhere Inductor's default."""
     from packgraph.bench.backends import FLEX_TILES
     from packgraph.ops.doc_mask import default_tiles
 
     sm90 = torch.cuda.get_device_capability() == (9, 0)
     measured = {
-        64: FLEX_TILES["fwd 64x64 w4 s3, bwd 64x64 w4 s3"]["kernel_options"],
+        64: FLEX_TILES["fwd 64x64 w4 s3 TMA, bwd 64x64 w4 s3"]["kernel_options"],
         128: FLEX_TILES["fwd 64x64 w4 s3"]["kernel_options"],
     }
     for head_dim in (64, 128, 96):

@@ -124,9 +124,12 @@ def _block_mask(
 # 2026-12-04-h200-backends-8192/). Forward: Inductor's default at head size 64 (128 x 128, 4 warps) made it 2-17x
 # slower than these; at 64 and 128, on every mix, these gave the shortest forward+backward of the fixed choices.
 # Backward: at head size 64 these tiles took 6-8% off the forward+backward on every mix (about max-autotune's); at
-# 128 they were 18-21% slower than Inductor's default, which stays there.
+# 128 they were 18-21% slower than Inductor's default, which stays there. TMA loads took 12% off the forward at
+# head size 64 on one long document (nothing on short ones) and slowed every backward and the forward at 128: at 64
+# the forward alone takes them (``fwd_USE_TMA``; Inductor strips ``fwd_`` options from the backward's).
 _SM90_FORWARD_TILES = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3}
-_SM90_BACKWARD_TILES_D64 = {
+_SM90_D64 = {
+    "fwd_USE_TMA": True,
     "bwd_BLOCK_M1": 64,
     "bwd_BLOCK_N1": 64,
     "bwd_BLOCK_M2": 64,
@@ -138,15 +141,15 @@ _SM90_BACKWARD_TILES_D64 = {
 
 def default_tiles(q: Tensor) -> dict[str, int | bool] | None:
     """The kernel options :func:`doc_mask_attention` uses for ``q`` when given none: the tiles measured best on sm90
-    GPUs (H100, H200) for bf16 or fp16, forward at head sizes 64 and 128, backward at 64; else ``None`` (Inductor's
-    default)."""
+    GPUs (H100, H200) for bf16 or fp16, forward at head sizes 64 and 128, backward and the forward's TMA loads at 64;
+    else ``None`` (Inductor's default)."""
     if (
         q.is_cuda
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[-1] in (64, 128)
         and torch.cuda.get_device_capability(q.device) == (9, 0)
     ):
-        return _SM90_FORWARD_TILES | (_SM90_BACKWARD_TILES_D64 if q.shape[-1] == 64 else {})
+        return _SM90_FORWARD_TILES | (_SM90_D64 if q.shape[-1] == 64 else {})
     return None
 
 
