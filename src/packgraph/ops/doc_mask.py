@@ -13,9 +13,9 @@ between them. On the H200 (torch 2.11), compiled, it matched the float64 referen
 grads, causal, windows, softcapping, padded layouts), and one CUDA graph of its forward and backward, block mask
 included, replayed 8 packings of 1 to 13 documents with no host read and the values of the compiled call
 (tests/cuda/test_doc_mask_cuda.py; bench/results/2026-12-03-h200-gpu-check-slot-fix/). Its kernel's speed hangs
-on its tiles (:func:`default_tiles`): with them, at T=8192 in bf16 on one packing per mix, the kernel's
-forward+backward took 0.81-0.89x FA2's (``varlen_attention``'s) at head size 64 and 0.71-0.81x at 128, the block
-mask built ahead (bench/results/2026-12-04-h200-backends-8192/).
+on its tiles (:func:`default_tiles`): with their forward and backward tiles (timed before their TMA loads), at
+T=8192 in bf16 on one packing per mix, the kernel's forward+backward took 0.81-0.89x FA2's (``varlen_attention``'s)
+at head size 64 and 0.71-0.81x at 128, the block mask built ahead (bench/results/2026-12-04-h200-backends-8192/).
 .. warning:: torch 2.13's FlexAttention has no backward on the CPU: there it serves forward passes only (scoring,
    and the CPU tests of this module).
 .. warning:: A block that straddles two documents multiplies one document's values by the other's zero
