@@ -521,10 +521,11 @@ def flash_offsets(packed_seq_params: PackedSeqParams) -> tuple[Tensor, Tensor]:
 def _zero_dead_rows(x: Tensor, live: Tensor) -> Tensor:
     """``x`` with the rows where ``live`` (bool ``[rows]``) is False set to exact zeros, the others bit for bit.
 
-    A select that broadcasts ``live`` over each row has no vectorized CUDA kernel: its time grows with the element
-    count, not the bytes. So it selects 8-byte words where a row's bytes allow (a quarter of a bf16 tensor's
-    elements): an all-zero word is +0.0 in every floating dtype. Not while compiling (Inductor fuses the plain select
-    into its own kernel) nor on a tensor that requires grad (a word view has none)."""
+    A select that broadcasts ``live`` over each row runs on aten's non-vectorized elementwise kernel (so it did on
+    the H200, the wrapper's largest cost), which moves one element per thread step. So it selects 8-byte words
+    where a row's bytes allow (a quarter of a bf16 tensor's elements): an all-zero word is +0.0 in every floating
+    dtype. Not while compiling (Inductor fuses the plain select into its own kernel) nor on a tensor that requires
+    grad (a word view has none)."""
     rows = x.shape[0]
     per_word = 8 // x.element_size() if 8 % x.element_size() == 0 else 0
     if (
