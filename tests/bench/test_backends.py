@@ -2,9 +2,11 @@
 
 import json
 
+import pytest
 import torch
 
-from packgraph.bench.backends import FLEX_TILES, causal_flops
+from packgraph import slot_boundary
+from packgraph.bench.backends import FLEX_TILES, causal_flops, short_docs_switch, switch_doc_counts, switch_packing
 from packgraph.bench.run import main
 
 
@@ -42,6 +44,7 @@ def test_the_cli_measures_every_backend_or_names_why_not(tmp_path):
     ]
     assert all(r["fwdbwd_ms"] > 0 for r in flash)
     assert [r["axis"] for r in sweep if r["backend"] == "doc_mask"] == ["none"]
+    assert doc["switch"] == []  # T=64 holds no bucket of 129 documents
     tiles = doc["tiles"]  # at the largest T (none >= 8192): flash, then each tile choice, per mix
     assert [(r["mix"], r["backend"], r["tiles"]) for r in tiles] == [
         (mix, backend, name)
@@ -77,3 +80,29 @@ def test_the_tile_plot_draws_each_timed_choice_and_skips_failed_ones(tmp_path):
     assert path == tmp_path / "tiles.png" and path.stat().st_size > 10_000
     failed_only = [r for r in rows if "error" in r]
     assert plot_tiles(failed_only, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
+@pytest.mark.parametrize("T,docs", [(512, 128), (8192, 129), (8192, 2048), (32768, 8192), (4096, 1)])
+@pytest.mark.parametrize("shape", ["even", "one-long"])
+def test_a_switch_packing_holds_the_documents_asked_in_T_rows(T, docs, shape):
+    lengths = switch_packing(T, docs, shape, seed=3)
+    assert len(lengths) == docs and min(lengths) >= 1 and sum(lengths) <= T
+    if shape == "one-long":
+        assert lengths[0] == T // 4 and max(lengths[1:], default=0) < T // 4
+    assert switch_packing(T, docs, shape, seed=3) == lengths  # the seed fixes it
+
+
+def test_the_switch_counts_start_at_the_switch_and_stay_within_a_quarter_of_T():
+    assert switch_doc_counts(64) == []
+    assert switch_doc_counts(8192) == [slot_boundary.DEFAULT, 256, 512, 1024, 2048]
+
+
+def test_the_switch_study_times_both_settings_on_each_bucket():
+    """On the CPU both settings run the exact reference (short_docs is a CUDA path): the rows' shape is what is
+    checked here, and that the bucket holds the documents with the switch on for one setting only."""
+    rows = short_docs_switch(1024, [16], doc_counts=[129, 200], heads=2, kv_heads=1, reps=1, device="cpu")
+    assert [(r["shape"], r["docs"]) for r in rows] == [(s, n) for s in ("even", "one-long") for n in (129, 200)]
+    for r in rows:
+        assert r["capacity"] >= r["docs"] and r["short_docs_min_slots"] == slot_boundary.DEFAULT_MIN_SLOTS
+        assert r["short_ms"] > 0 and r["fa2_ms"] > 0 and r["short_over_fa2"] == r["short_ms"] / r["fa2_ms"]
+        assert r["T"] == 1024 and r["head_dim"] == 16 and r["max_seqlen"] >= r["longest"]

@@ -25,17 +25,22 @@ autotuning, against ``flash``: Inductor's default tiles for bf16 at head size 64
 slower than the forward+backward at head size 128.
 :func:`declared_size_sweep` holds one packing fixed and grows what a graph declares instead: ``max_seqlen`` from
 the longest document to ``T``, and the slot capacity from the document count to 512. FlashAttention's launch grid
-grows with both; the document mask declares neither.
+grows with both; the document mask declares neither. :func:`short_docs_switch` times the short-documents path
+against one FA2 call on buckets of 129 documents and more: the local path's cost grows with ``T``, FA2's with the
+slots, so where one wins depends on both (docs/buckets.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from packgraph import slot_boundary
 from packgraph.bench.attention import median_ms
 from packgraph.bench.data import batch_stream
 from packgraph.bench.report import markdown_table
@@ -52,6 +57,10 @@ __all__ = [
     "causal_flops",
     "declared_size_sweep",
     "flex_tiles",
+    "short_docs_switch",
+    "switch_doc_counts",
+    "switch_markdown",
+    "switch_packing",
     "tiles_markdown",
     "wrapper_kernels",
 ]
@@ -433,6 +442,93 @@ def _doublings(start: int, stop: int) -> list[int]:
         values.append(p)
         p <<= 1
     return values + ([stop] if stop > start else [])
+
+
+def switch_packing(T: int, docs: int, shape: str, seed: int = 0) -> list[int]:
+    """``docs`` document lengths that fit in ``T`` rows: ``"even"``, each drawn from 1 to twice the mean share (the
+    last ones cut to fit); ``"one-long"``, the same for all but one of ``T // 4`` rows, placed first."""
+    gen = torch.Generator().manual_seed(seed)
+    long = T // 4 if shape == "one-long" else 0
+    share = max(1, (T - long) // docs)
+    short = torch.randint(1, 2 * share, (docs - bool(long),), generator=gen).tolist() if share > 1 else []
+    short = short or [1] * (docs - bool(long))
+    lengths, room = ([long] if long else []), T - long
+    for n in short:
+        n = max(1, min(n, room - (docs - len(lengths) - 1)))  # leave a row for each document still to place
+        lengths.append(n)
+        room -= n
+    return lengths
+
+
+def switch_doc_counts(T: int) -> list[int]:
+    """The document counts :func:`short_docs_switch` times at ``T``: the default switch (129 slots), then each power
+    of two up to ``T // 4``; none where ``T // 4`` is below the switch."""
+    return [n for n in _doublings(slot_boundary.DEFAULT, max(slot_boundary.DEFAULT, T // 4)) if n <= T // 4]
+
+
+def short_docs_switch(
+    T: int,
+    head_dims: Sequence[int],
+    *,
+    doc_counts: Sequence[int] | None = None,
+    shapes: Sequence[str] = ("even", "one-long"),
+    heads: int = 16,
+    kv_heads: int = 8,
+    reps: int = 10,
+    seed: int = 0,
+    device: torch.device | str = "cuda",
+    out_of_time: Callable[[], bool] = lambda: False,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Where :mod:`packgraph.ops.short_docs` beats one FA2 call: forward+backward of ``varlen_attention`` on the
+    bucket of a packing of ``docs`` documents (:func:`switch_packing`), with the short-documents switch at its
+    default (``short_ms``) and off (``fa2_ms``: one FA2 call, its backward in chunks past 512 slots), per head size.
+    ``doc_counts`` defaults to :func:`switch_doc_counts`. One row per (T, head size, shape, docs): the bucket's
+    ``capacity`` and ``max_seqlen``, both times and ``short_over_fa2``."""
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(seed)
+    counts = list(doc_counts) if doc_counts is not None else switch_doc_counts(T)
+    policy = default_buckets(T)
+    rows: list[dict[str, Any]] = []
+    for head_dim in head_dims:
+        q, k, v = qkv = _leaves(T, heads, kv_heads, head_dim, device, dtype, gen)
+        grad_out = torch.ones_like(q)
+        for shape in shapes:
+            for docs in counts:
+                if out_of_time():
+                    return rows
+                lengths = switch_packing(T, docs, shape, seed)
+                raw = PackedSeqParams.from_seqlens(lengths, total_tokens=T, max_seqlen=T, device=device)
+                on = policy.apply(raw)
+                off = dataclasses.replace(on, short_docs_min_slots=None)
+                row: dict[str, Any] = dict(
+                    T=T, head_dim=head_dim, shape=shape, docs=len(lengths), longest=max(lengths),
+                    capacity=on.cu_seqlens_q.numel() - 1, max_seqlen=on.max_seqlen_q,
+                    short_docs_min_slots=on.short_docs_min_slots,
+                )  # fmt: skip
+                try:
+                    for key, params in (("short_ms", on), ("fa2_ms", off)):
+                        attend = functools.partial(varlen_attention, q, k, v, params, causal=True)
+                        row[key] = _fwdbwd_ms(attend, qkv, grad_out, reps)
+                    row["short_over_fa2"] = row["short_ms"] / row["fa2_ms"]
+                except (RuntimeError, NotImplementedError) as exc:
+                    row["error"] = error_line(exc)
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+    return rows
+
+
+def switch_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The short-documents switch study as a Markdown table."""
+    header = ("T", "D", "shape", "docs", "longest", "capacity", "max_seqlen", "short_docs ms", "FA2 ms", "ratio")
+    cells = [
+        [r["T"], r["head_dim"], r["shape"], r["docs"], r["longest"], r["capacity"], r["max_seqlen"],
+         r.get("error") or _fmt(r.get("short_ms")), _fmt(r.get("fa2_ms")), _fmt(r.get("short_over_fa2"))]
+        for r in rows
+    ]  # fmt: skip
+    return markdown_table(header, cells) + "\n"
 
 
 def sweep_markdown(rows: Sequence[dict[str, Any]]) -> str:

@@ -349,8 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
     """``packgraph bench --backends``: writes backends.json (with the machine) and backends.md under --out: the FA2
-    wrapper's kernels, the FlexAttention tile study, the declared-size sweep at each T (corpus mix, the largest head
-    size), then the backends side by side."""
+    wrapper's kernels, the FlexAttention tile study, the declared-size sweep (corpus mix, the largest head size) and
+    the short-documents switch at each T, then the backends side by side."""
     from packgraph.bench.backends import (
         BACKENDS,
         FLEX_TILES,
@@ -360,7 +360,10 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
         error_line,
         flex_tiles,
         kernels_markdown,
+        short_docs_switch,
         sweep_markdown,
+        switch_doc_counts,
+        switch_markdown,
         tiles_markdown,
         wrapper_kernels,
     )
@@ -373,13 +376,19 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
     packings = args.packings
     tiles_T = None if args.no_tiles else next((T for T in T_values if T >= 8192), max(T_values))
     tile_rows = 0 if tiles_T is None else len(head_dims) * 3 * (len(FLEX_TILES) + 1)
+    switch_rows = sum(len(head_dims) * 2 * len(switch_doc_counts(T)) for T in T_values)
     progress = _Progress(
-        len(T_values) * (len(mixes) * len(head_dims) * packings * len(BACKENDS) + 1) + tile_rows,
+        len(T_values) * (len(mixes) * len(head_dims) * packings * len(BACKENDS) + 1) + tile_rows + switch_rows,
         time_limit_s=args.time_limit_s,
     )
 
     def on_row(row: dict[str, Any]) -> None:
-        if "tiles" in row:
+        if "shape" in row:
+            shown = row.get("error") or f"short_docs {row['short_ms']:.3f} ms, FA2 {row['fa2_ms']:.3f} ms"
+            where = f"T={row['T']} D={row['head_dim']} {row['shape']} {row['docs']} docs (capacity {row['capacity']})"
+            progress.write(f"{where}: {shown}")
+            progress.advance()
+        elif "tiles" in row:
             shown = row.get("error") or f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwdbwd_ms']:.3f} ms"
             where = f"T={row['T']} {row['mix']} D={row['head_dim']} {row['backend']} [{row['tiles']}]"
             progress.write(f"{where}: {shown}, first {row.get('first_s', 0):.1f} s")
@@ -391,6 +400,7 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
 
     started = time.perf_counter()
     sweep: list[dict[str, Any]] = []
+    switch: list[dict[str, Any]] = []
     # First, as it is short and names the wrapper's cost: the kernels of FA2 through packgraph and bare (CUDA only).
     kernels: list[dict[str, Any]] = []
     kernels_error = None
@@ -411,6 +421,9 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
                 T, max(head_dims), seed=args.seed, device=device, out_of_time=progress.out_of_time, on_row=on_row
             )
             progress.advance()
+            switch += short_docs_switch(
+                T, head_dims, seed=args.seed, device=device, out_of_time=progress.out_of_time, on_row=on_row
+            )
         rows = backend_benchmark(
             T_values,
             mixes,
@@ -428,6 +441,7 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
         "argv": sys.argv[1:],
         "rows": rows,
         "sweep": sweep,
+        "switch": switch,
         "kernels": kernels,
         "tiles": tiles,
     }
@@ -437,6 +451,8 @@ def _run_backends(args: argparse.Namespace, device: torch.device) -> int:
     tables = (
         backends_markdown(rows) + "\nDeclared sizes, one packing each (forward+backward):\n\n" + sweep_markdown(sweep)
     )
+    if switch:
+        tables += "\nShort documents (short_docs) against one FA2 call, on the bucket:\n\n" + switch_markdown(switch)
     if tiles:
         tables += "\nThe document mask's kernel under FlexAttention tile choices:\n\n" + tiles_markdown(tiles)
     if kernels:
