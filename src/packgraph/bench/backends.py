@@ -490,33 +490,34 @@ def short_docs_switch(
     gen = torch.Generator(device=device).manual_seed(seed)
     counts = list(doc_counts) if doc_counts is not None else switch_doc_counts(T)
     policy = default_buckets(T)
+    cases = []  # (shape, lengths, params with the switch on): built once, timed at every head size
+    for shape in shapes:
+        for docs in counts:
+            lengths = switch_packing(T, docs, shape, seed)
+            raw = PackedSeqParams.from_seqlens(lengths, total_tokens=T, max_seqlen=T, device=device)
+            cases.append((shape, lengths, policy.apply(raw)))
     rows: list[dict[str, Any]] = []
     for head_dim in head_dims:
         q, k, v = qkv = _leaves(T, heads, kv_heads, head_dim, device, dtype, gen)
         grad_out = torch.ones_like(q)
-        for shape in shapes:
-            for docs in counts:
-                if out_of_time():
-                    return rows
-                lengths = switch_packing(T, docs, shape, seed)
-                raw = PackedSeqParams.from_seqlens(lengths, total_tokens=T, max_seqlen=T, device=device)
-                on = policy.apply(raw)
-                off = dataclasses.replace(on, short_docs_min_slots=None)
-                row: dict[str, Any] = dict(
-                    T=T, head_dim=head_dim, shape=shape, docs=len(lengths), longest=max(lengths),
-                    capacity=on.cu_seqlens_q.numel() - 1, max_seqlen=on.max_seqlen_q,
-                    short_docs_min_slots=on.short_docs_min_slots,
-                )  # fmt: skip
-                try:
-                    for key, params in (("short_ms", on), ("fa2_ms", off)):
-                        attend = functools.partial(varlen_attention, q, k, v, params, causal=True)
-                        row[key] = _fwdbwd_ms(attend, qkv, grad_out, reps)
-                    row["short_over_fa2"] = row["short_ms"] / row["fa2_ms"]
-                except (RuntimeError, NotImplementedError) as exc:
-                    row["error"] = error_line(exc)
-                rows.append(row)
-                if on_row is not None:
-                    on_row(row)
+        for shape, lengths, on in cases:
+            if out_of_time():
+                return rows
+            row: dict[str, Any] = dict(
+                T=T, head_dim=head_dim, shape=shape, docs=len(lengths), longest=max(lengths),
+                capacity=on.cu_seqlens_q.numel() - 1, max_seqlen=on.max_seqlen_q,
+                short_docs_min_slots=on.short_docs_min_slots,
+            )  # fmt: skip
+            try:
+                for key, params in (("short_ms", on), ("fa2_ms", dataclasses.replace(on, short_docs_min_slots=None))):
+                    attend = functools.partial(varlen_attention, q, k, v, params, causal=True)
+                    row[key] = _fwdbwd_ms(attend, qkv, grad_out, reps)
+                row["short_over_fa2"] = row["short_ms"] / row["fa2_ms"]
+            except (RuntimeError, NotImplementedError) as exc:
+                row["error"] = error_line(exc)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
     return rows
 
 
