@@ -518,3 +518,19 @@ def test_dead_rows_become_exact_zeros_and_live_rows_keep_their_bits(dtype, make,
     assert got.requires_grad == x.requires_grad
     took_words = torch.int64 in views.dtypes
     assert took_words == (words if words is not None else dtype == F64)
+
+
+def test_dead_row_zeros_compile_without_a_graph_break():
+    """Under torch.compile the dead rows' zeros (on the output and on the grads) stay inside one Dynamo graph: a break
+    there splits every compiled attention layer in two, and each half compiles apart."""
+
+    def step(x: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        y = attention_mod._ZeroDeadRowsOut.apply(x * 2, live)
+        return (attention_mod._ZeroDeadRowGrad.apply(y, live) * 3).sum()
+
+    x = torch.randn(16, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    live = torch.arange(16) % 3 > 0
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(x, live)
+    assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
+    assert explained.graph_count == 1

@@ -529,13 +529,15 @@ def _zero_dead_rows(x: Tensor, live: Tensor) -> Tensor:
     rows = x.shape[0]
     per_word = 8 // x.element_size() if 8 % x.element_size() == 0 else 0
     if (
-        rows
+        # first: Dynamo breaks the graph at ``storage_offset()`` (a torch op returning an int), which would split
+        # the compiled layer around this autograd.Function
+        not torch.compiler.is_compiling()
+        and rows
         and per_word
         and x.is_contiguous()
         and (x.numel() // rows) % per_word == 0
         and x.storage_offset() % per_word == 0
         and not x.requires_grad
-        and not torch.compiler.is_compiling()
     ):
         words = x.view(rows, -1).view(torch.int64)
         return torch.where(live[:, None], words, 0).view(x.dtype).view(x.shape)
