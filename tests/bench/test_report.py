@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from packgraph.bench.report import busy_delta, kernel_class_table, readme_table, results_markdown, write_table
+from packgraph.bench.report import (
+    busy_delta,
+    compare_table,
+    kernel_class_table,
+    readme_table,
+    results_markdown,
+    write_table,
+)
 from tests.bench.records import busy_split_cell, one_cell_records, record, results_doc
 
 
@@ -61,3 +68,36 @@ def test_write_table_keeps_the_table_and_the_rows_with_a_date(tmp_path):
     assert (tmp_path / "new" / "counts.md").read_text() == "| T | x |\n"
     doc = json.loads((tmp_path / "new" / "counts.json").read_text())
     assert doc["rows"] == rows and doc["meta"]["host"] == "CPU" and doc["meta"]["date"].startswith("20")
+
+
+def test_compare_table_calls_a_step_slower_or_faster_only_when_the_ranges_do_not_overlap(tmp_path):
+    def rec(method, step, lo, hi, **kw):
+        r = record(method, step, **kw)
+        r.update(step_ms_p10=lo, step_ms_p90=hi)
+        return r
+
+    before = results_doc(
+        [
+            rec("eager", 20.0, 19.0, 21.0, busy=4.0, peak=1000.0),
+            rec("packgraph", 5.0, 4.9, 5.1, busy=4.5, peak=1050.0, graphs=6),
+            rec("packgraph-model", 5.0, 4.9, 5.1),
+            rec("compile-ro", 5.5, 5.4, 5.6),
+        ]
+    )
+    after = results_doc(
+        [
+            rec("eager", 21.0, 20.5, 22.0, busy=4.0, peak=1000.0),  # overlaps 19-21: noise
+            rec("packgraph", 5.3, 5.2, 5.4, busy=4.6, peak=1040.0, graphs=6),  # 5.2 > 5.1: slower
+            rec("packgraph-model", 4.5, 4.4, 4.8),  # 4.8 < 4.9: faster
+            rec("padded", 30.0, 29.0, 31.0),  # only after
+        ]
+    )
+    (tmp_path / "results.json").write_text(json.dumps(before))
+    lines = compare_table(tmp_path, after).splitlines()  # a folder, a document
+    rows = {cells[1]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])}
+    assert rows["eager"][2:5] == ["20.00 -> 21.00", "1.050", "within noise"]
+    assert rows["packgraph"][2:8] == ["5.00 -> 5.30", "1.060", "slower", "4.50 -> 4.60", "1050 -> 1040", "6 -> 6"]
+    assert rows["packgraph-model"][4] == "faster"
+    assert rows["compile-ro"][2:5] == ["5.50 -> -", "-", "-"]
+    assert rows["padded"][2:5] == ["- -> 30.00", "-", "-"]
+    assert len(rows) == 5

@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         "ms and TFLOP/s over --T (default 4096-32768), --mixes and --head-dims",
     )
     preset.add_argument("--dry-run", action="store_true", help="a tiny CPU matrix (perf_counter timing)")
+    preset.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("BEFORE", "AFTER"),
+        help="print two results.json files (or their folders) cell by cell, and run nothing",
+    )
     p.add_argument("--out", type=Path, help="results directory (default bench/results/<date>-<gpu>/)")
     p.add_argument("--models", type=_csv(str), help="GPT presets, e.g. small,medium")
     p.add_argument("--T", type=_csv(int), help="tokens per step, e.g. 2048,8192")

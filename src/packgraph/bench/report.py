@@ -23,6 +23,7 @@ __all__ = [
     "attention_table",
     "busy_delta",
     "cell_label",
+    "compare_table",
     "derive",
     "kernel_class_table",
     "load_results",
@@ -212,6 +213,49 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
 def results_table(records: Iterable[Mapping[str, Any]]) -> str:
     """The main Markdown table: one row per record, :data:`TABLE_COLUMNS`."""
     return markdown_table(TABLE_COLUMNS, (_row(r) for r in sort_records(records)))
+
+
+def _spread_verdict(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
+    # Two medians differ beyond noise when their runs' 10-90% step ranges do not overlap.
+    b, a = before["step_ms"], after["step_ms"]
+    b_lo, b_hi = before.get("step_ms_p10") or b, before.get("step_ms_p90") or b
+    a_lo, a_hi = after.get("step_ms_p10") or a, after.get("step_ms_p90") or a
+    if a_lo > b_hi:
+        return "slower"
+    if a_hi < b_lo:
+        return "faster"
+    return "within noise"
+
+
+def compare_table(before: str | Path | Mapping[str, Any], after: str | Path | Mapping[str, Any]) -> str:
+    """Two results documents cell by cell (the records of both): step ms (median, and its 10-90% range), GPU-busy,
+    peak allocated, graphs and recompiles, before -> after. A step is ``slower``/``faster`` only when the two runs'
+    10-90% ranges do not overlap; records of one document only are listed with a dash for the other."""
+    old = {record_key(r): r for r in load_results(before)["records"] if r["status"] == "ok"}
+    new = {record_key(r): r for r in load_results(after)["records"] if r["status"] == "ok"}
+    rows = []
+    for r in sort_records([*old.values(), *(r for k, r in new.items() if k not in old)]):
+        b, a = old.get(record_key(r)), new.get(record_key(r))
+
+        def pair(field: str, spec: str, b=b, a=a) -> str:
+            return f"{_fmt(b and b.get(field), spec)} -> {_fmt(a and a.get(field), spec)}"
+
+        ratio = _fmt(a["step_ms"] / b["step_ms"], ".3f") if a and b else "-"
+        rows.append(
+            [
+                cell_label(r),
+                r["method"],
+                pair("step_ms", ".2f"),
+                ratio,
+                _spread_verdict(b, a) if a and b else "-",
+                pair("gpu_busy_ms", ".2f"),
+                pair("peak_mem_mib", ".0f"),
+                pair("graphs", ""),
+                pair("recompiles", ""),
+            ]
+        )
+    header = ["cell", "method", "step ms", "after/before", "step", "GPU-busy ms", "peak MiB", "graphs", "recompiles"]
+    return markdown_table(header, rows)
 
 
 def attention_table(summary: Iterable[Mapping[str, Any]]) -> str:

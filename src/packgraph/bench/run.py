@@ -47,7 +47,7 @@ from packgraph.bench.measure import measure, release
 from packgraph.bench.methods import CUDA_ONLY_METHODS, make_method
 from packgraph.bench.options import build_parser, resolve
 from packgraph.bench.presets import ladder_policy
-from packgraph.bench.report import RECORD_FIELDS, derive, record_key, results_markdown, results_table
+from packgraph.bench.report import RECORD_FIELDS, compare_table, derive, record_key, results_markdown, results_table
 from packgraph.graphs.recorder import loop_stream
 from packgraph.models.gpt import GPT, GPTConfig
 
@@ -326,6 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.compare:
+        print(compare_table(*args.compare))
+        return 0
     try:
         cfg = resolve(args)
     except ValueError as exc:
