@@ -110,3 +110,22 @@ def test_gpu_busy_ms_is_per_step_and_classifies_gemm(report):
         "gpu_busy_ms: 4 bf16 4096^3 matmuls, ms per step (1 / 4 steps; wall of the 4)",
         f"{one:.3f} / {four:.3f}; {out['wall']:.3f}",
     )
+
+
+def test_compiled_gpt_on_fa2_is_one_dynamo_graph(report):
+    """torch.compile of the GPT on the FA2 path gives Dynamo one graph per batch shape: a break inside attention (as
+    the dead rows' select once had) splits every layer, and the ``compile``/``compile-ro`` baselines slow down."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", d_model=128, n_layer=2, n_head=4, n_kv_head=2)).cuda()
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, 256, (n,), generator=g) for n in (100, 3, 700)]
+    batch = PackedBatch.from_documents(docs, bin_size=T, capacity=8).to("cuda")
+    params = default_buckets(T).apply(batch.packed_seq_params).replace(host_offsets=None)
+    batch = dataclasses.replace(batch, packed_seq_params=params)
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        explained = torch._dynamo.explain(model)(batch)
+    reasons = [b.reason.splitlines()[0] for b in explained.break_reasons]
+    report("compiled GPT on FA2: Dynamo graphs / breaks", f"{explained.graph_count} / {explained.graph_break_count}")
+    assert explained.graph_break_count == 0, reasons
+    assert explained.graph_count == 1
