@@ -101,3 +101,5 @@ def test_compare_table_calls_a_step_slower_or_faster_only_when_the_ranges_do_not
     assert rows["compile-ro"][2:5] == ["5.50 -> -", "-", "-"]
     assert rows["padded"][2:5] == ["- -> 30.00", "-", "-"]
     assert len(rows) == 5
+    del after["records"][0]["step_ms_p90"]  # a record without its range: not judged
+    assert "no range" in compare_table(before, after).splitlines()[2]

@@ -145,3 +145,17 @@ def test_a_run_under_another_ladder_records_it(tmp_path):
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["runs"][0]["config"]["ladder"] == "capacity-x2"
     assert [r["status"] for r in doc["records"]] == ["ok", "ok"]
+
+
+def test_compare_prints_both_files_and_refuses_a_missing_one(tmp_path, capsys):
+    from tests.bench.records import record, results_doc
+
+    for name, step in (("a", 5.0), ("b", 6.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(results_doc([record("packgraph", step)])))
+    assert main(["--compare", str(tmp_path / "a"), str(tmp_path / "b" / "results.json")]) == 0
+    assert "| small T=2048 corpus | packgraph | 5.00 -> 6.00 | 1.200 | no range |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["--compare", str(tmp_path / "a"), str(tmp_path / "nowhere")])
+    assert exc.value.code == 2
+    assert "no results.json at" in capsys.readouterr().err

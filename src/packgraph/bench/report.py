@@ -216,10 +216,11 @@ def results_table(records: Iterable[Mapping[str, Any]]) -> str:
 
 
 def _spread_verdict(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
-    # Two medians differ beyond noise when their runs' 10-90% step ranges do not overlap.
-    b, a = before["step_ms"], after["step_ms"]
-    b_lo, b_hi = before.get("step_ms_p10") or b, before.get("step_ms_p90") or b
-    a_lo, a_hi = after.get("step_ms_p10") or a, after.get("step_ms_p90") or a
+    # Two medians differ beyond noise when their runs' 10-90% step ranges do not overlap; without both ranges
+    # nothing is judged.
+    b_lo, b_hi, a_lo, a_hi = (r.get(k) for r in (before, after) for k in ("step_ms_p10", "step_ms_p90"))
+    if None in (b_lo, b_hi, a_lo, a_hi):
+        return "no range"
     if a_lo > b_hi:
         return "slower"
     if a_hi < b_lo:

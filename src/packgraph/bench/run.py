@@ -327,6 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.compare:
+        missing = [str(p) for p in args.compare if not (p / "results.json" if p.is_dir() else p).is_file()]
+        if missing:
+            parser.error(f"--compare: no results.json at {', '.join(missing)}")
         print(compare_table(*args.compare))
         return 0
     try:
