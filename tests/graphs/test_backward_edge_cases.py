@@ -270,3 +270,14 @@ def test_a_retained_stack_refuses_a_second_backward_after_a_forward_wrote_its_in
         run(_x(3, requires_grad=False), _params(*P_A))  # layer 0 writes the output layer 1's retained graph reads
     with pytest.raises(RuntimeError, match="second backward through this call's autograd graph"):
         loss.backward()
+
+
+@RECORDERS
+def test_a_second_backward_after_its_graph_was_evicted_is_refused(recorder):
+    """With one graph allowed, a call of another signature evicts the retained call's graph, whose memory goes back
+    to the pool: its second backward raises, naming the eviction (eager would run it: the refusal is the engine's)."""
+    block = _block()
+    graphed = capture_with(recorder(), block, (_x(0), _params(*P_A)), share_activations=False, max_graphs=1)
+    with pytest.raises(RuntimeError, match="let go of its graph"):
+        _twice(graphed, block, _no_grad_other)
+    assert graphed.num_graphs == 1  # the other signature's, which replaced it
