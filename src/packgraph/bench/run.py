@@ -327,10 +327,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.compare:
-        missing = [str(p) for p in args.compare if not (p / "results.json" if p.is_dir() else p).is_file()]
-        if missing:
-            parser.error(f"--compare: no results.json at {', '.join(missing)}")
-        print(compare_table(*args.compare))
+        try:
+            print(compare_table(*args.compare))
+        except FileNotFoundError as exc:  # load_results resolves a folder to its results.json
+            parser.error(f"--compare: no results.json at {exc.filename}")
         return 0
     try:
         cfg = resolve(args)
