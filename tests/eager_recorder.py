@@ -34,7 +34,7 @@ import torch.utils._pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from packgraph.graphs.memory import unowned_storage
-from packgraph.graphs.recorder import RecorderBase
+from packgraph.graphs.recorder import Recorder
 
 
 def _poison(storage):
@@ -42,7 +42,7 @@ def _poison(storage):
     torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)).fill_(255)
 
 
-class EagerRecorder(RecorderBase):
+class EagerRecorder(Recorder):
     device_type = "cpu"
     records_by_running = True  # replay re-runs the recorded body on the same autograd graph: the engine keeps it
 

@@ -20,7 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from packgraph.graphs.safety import GraphCaptureError  # noqa: E402
+from packgraph.host_syncs import GraphCaptureError  # noqa: E402
 from packgraph.integrations import hf  # noqa: E402
 from packgraph.integrations.hf_families import (  # noqa: E402
     FAMILIES,

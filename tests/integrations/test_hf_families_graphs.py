@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from packgraph.graphs import use_recorder  # noqa: E402
-from packgraph.graphs.safety import GraphCaptureError  # noqa: E402
+from packgraph.host_syncs import GraphCaptureError  # noqa: E402
 from packgraph.integrations import hf  # noqa: E402
 from packgraph.integrations.hf_families import FAMILIES, documents, packed_batch, tiny_model  # noqa: E402
 from tests.eager_recorder import EagerRecorder, OpReplayRecorder  # noqa: E402

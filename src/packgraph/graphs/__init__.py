@@ -12,7 +12,7 @@ from packgraph.graphs.cache import GraphSignatureError
 from packgraph.graphs.capture import GraphedCallable, capture, capture_layers
 from packgraph.graphs.memory import GraphOrderError
 from packgraph.graphs.recorder import loop_stream, use_recorder
-from packgraph.graphs.safety import GraphCaptureError, HostSync, find_host_syncs
+from packgraph.host_syncs import GraphCaptureError, HostSync, find_host_syncs
 
 __all__ = [
     "capture",

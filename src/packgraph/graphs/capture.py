@@ -729,24 +729,11 @@ def capture(
     dynamic inputs; shapes, dtypes, ``requires_grad``, non-tensor args, the params' static signature,
     ``module.training`` of every submodule, which parameters are frozen and the autocast state are static.
 
-    .. warning:: Refused with an error that says what to do: double backward (``create_graph=True``), and a
-        replay that would overwrite memory a pending backward needs (a forward replayed again before its
-        backward: :class:`~packgraph.graphs.memory.GraphOrderError`).
-
-    .. warning:: Python side effects of the callable and its hooks run at capture only. Tensors reach it as
-        arguments (inside lists, tuples, dicts too) or as module parameters and buffers; one hidden in another
-        object or a closure is a graph constant.
-
-    .. warning:: The module tree (submodules, parameters, buffers, hooks, and the addresses of parameters and
-        buffers) is checked at every call, on the host: after ``module.to(...)``, ``load_state_dict(assign=True)``
-        or a reassigned attribute the callable drops its graphs (with a warning) and captures new ones. In-place
-        updates (``optimizer.step``) need nothing. A function's closure is not checked.
-
-    .. warning:: One thread per capture group. Graphs replay on the current stream; a chained stack only on the
-        stream it was recorded on (:func:`~packgraph.graphs.recorder.loop_stream`, docs/streams.md).
-
-    .. warning:: Dropout draws fresh masks at every replay (the default CUDA generator is registered with each
-        capture); other generators must be registered by the caller (``CUDAGraph.register_generator_state``).
+    .. warning:: Refused, naming the fix: double backward, a forward replayed again before its backward.
+    .. warning:: Python side effects run at capture only; a tensor hidden in an object or closure is a constant.
+    .. warning:: A changed module tree (``module.to``, a reassigned attribute) drops the graphs and recaptures.
+    .. warning:: One thread per capture group; a chained stack replays on its recording stream (``loop_stream``).
+    .. warning:: Dropout is fresh per replay on the default CUDA generator; register other generators yourself.
 
     Args:
         fn_or_module: an ``nn.Module`` (its parameters are trained), a bound method of one, or a function.
@@ -788,7 +775,7 @@ def capture(
         a :class:`GraphedCallable`.
 
     Raises:
-        RuntimeError: no CUDA device; :class:`~packgraph.graphs.safety.GraphCaptureError` when the callable cannot
+        RuntimeError: no CUDA device; :class:`~packgraph.host_syncs.GraphCaptureError` when the callable cannot
             be captured (it names the offending line, e.g. a host sync, and the fix).
     """
     recorder = recorder_for(pool, (sample_args, sample_kwargs), "packgraph.capture")

@@ -21,7 +21,7 @@ import dataclasses
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -30,7 +30,8 @@ from torch.autograd.function import FunctionCtx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from packgraph.graphs import memory, safety
+from packgraph import host_syncs
+from packgraph.graphs import memory
 from packgraph.graphs.cache import logger
 from packgraph.graphs.memory import (
     COPIED_OUTPUT_BYTES,
@@ -52,39 +53,9 @@ from packgraph.graphs.signature import (
 )
 
 if TYPE_CHECKING:
-    from packgraph.graphs.cache import CaptureGroup, GraphCache
-    from packgraph.graphs.memory import SharedBuffers
+    from packgraph.graphs.capture import GraphedCallable
 
-__all__ = ["BackwardGraph", "Entry", "ForwardGraph", "Owner", "Replay", "explained_capture_errors"]
-
-
-class Owner(Protocol):
-    """What an entry reads of the callable that caches it (a :class:`~packgraph.graphs.capture.GraphedCallable`)."""
-
-    fn: Callable[..., Any]
-    name: str
-    uid: int
-    group: CaptureGroup  # recorder, pool, capture numbers, entries in flight, output registry
-    buffers: SharedBuffers
-    cache: GraphCache[Entry]  # signature -> Entry
-    grad_records: dict[int, Handout]  # id(parameter) -> the record of the grad last handed out for it
-    debug: bool
-    forward_only: bool
-    num_warmup_iters: int
-    share_activations: bool
-    recompute: bool
-    copies_params: bool  # FSDP2: the graphs read static copies of the parameters, refreshed at each call
-    params: list[Tensor]
-
-    def trainable_now(self) -> list[Tensor]: ...
-
-    def any_in_flight(self) -> bool: ...
-
-    def param_copies(self) -> dict[int, Tensor]: ...
-
-    def param_places(self) -> list[tuple[dict, str, Tensor, int]]: ...
-
-    def forget(self, entry: Entry) -> None: ...
+__all__ = ["BackwardGraph", "Entry", "ForwardGraph", "Replay", "explained_capture_errors"]
 
 
 _OUT = object()  # marks a tensor slot in an output template
@@ -139,7 +110,7 @@ class Entry:
     """
 
     def __init__(
-        self, owner: Owner, key: CallSignature, args: tuple, kwargs: dict, dyn: list, *, apart: bool = False
+        self, owner: GraphedCallable, key: CallSignature, args: tuple, kwargs: dict, dyn: list, *, apart: bool = False
     ) -> None:
         self.owner = owner
         self.key = key
@@ -269,7 +240,7 @@ class Entry:
             with _RandomDraws() as draws:
                 run()
             if draws.ops:
-                raise safety.GraphCaptureError(
+                raise host_syncs.GraphCaptureError(
                     f"{owner.name}: recompute=True, but the callable draws random numbers ({', '.join(draws.ops)}): "
                     "the backward graph's recomputed forward would draw other values than the forward did (dropout "
                     "masks, say), so its grads would not be eager's. Set dropout to 0 in the recomputed layers, or "
@@ -605,13 +576,13 @@ class Entry:
 
 @contextlib.contextmanager
 def explained_capture_errors(entry: Entry) -> Iterator[None]:
-    """Turn a stream-capture failure into a :class:`~packgraph.graphs.safety.GraphCaptureError` naming the line."""
+    """Turn a stream-capture failure into a :class:`~packgraph.host_syncs.GraphCaptureError` naming the line."""
     try:
         yield
     except Exception as exc:
-        if not safety.is_capture_error(exc):
+        if not host_syncs.is_capture_error(exc):
             raise
-        raise safety.explain_capture_failure(
+        raise host_syncs.explain_capture_failure(
             exc, entry.owner.fn, entry.static_args, entry.static_kwargs, name=entry.owner.name
         ) from exc
 

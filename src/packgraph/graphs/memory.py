@@ -134,7 +134,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 if TYPE_CHECKING:
-    from packgraph.graphs.entry import Entry, Owner
+    from packgraph.graphs.capture import GraphedCallable
+    from packgraph.graphs.entry import Entry
 
 __all__ = [
     "COPIED_OUTPUT_BYTES",
@@ -304,7 +305,7 @@ def fits(buf: Tensor, like: Tensor, *, same_grad_flag: bool = False) -> bool:
 class SharedBuffers:
     """The primary buffers of one callable, by role; ``enabled`` is re-read at each capture."""
 
-    def __init__(self, owner: Owner, *, enabled: bool = True) -> None:
+    def __init__(self, owner: GraphedCallable, *, enabled: bool = True) -> None:
         self.owner = owner
         self.enabled = enabled
         self._buffers: dict[Hashable, Tensor] = {}

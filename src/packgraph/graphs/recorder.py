@@ -1,29 +1,7 @@
 """Recorders: what warms up and records the graphs of a capture group. :class:`CudaRecorder` makes CUDA graphs.
 
-The recorder protocol (:class:`Recorder`: what :class:`CudaRecorder` implements, and what a stand-in for CPU tests
-implements):
-
-* ``device_type``: the autocast device type of the signature (``"cuda"``);
-* ``check_input(tensor)``: raise if a dynamic input cannot be a graph input (wrong device);
-* ``warmup(run, iters, pool=None)``: call ``run()`` ``iters`` times, eagerly (CUDA: on the side stream, with its
-  memory taken from the graphs' pool);
-* ``record(body, pool=None) -> (graph, results)``: capture ``body()`` (which returns a list of tensors, the graph's
-  static results) into the recorder's pool, or ``pool``, and return an object whose ``replay()`` re-runs the
-  recorded work, writing into ``results``;
-* ``pool`` and ``new_pool()``: the shared pool, and a fresh one (for a capture that must not reuse the shared
-  pool's memory);
-* ``records_by_running``: a replay runs the body again (a stand-in), so the engine keeps the autograd graph a
-  backward body consumes;
-* ``unowned(storage, pool) -> storage``, or None: a storage over the same memory (of ``pool``) that does not keep
-  it allocated (the engine then releases idle backward results to the pool, :mod:`packgraph.graphs.memory`). A
-  stand-in that implements it must treat that memory as reused by every later warm-up and capture into ``pool``
-  and every replay of a graph of ``pool`` captured after the call, as the CUDA pool may;
-* ``shares_pool``: the pool is also the caller's, for other capture groups, whose captures the group cannot see.
-  The engine then releases nothing;
-* ``stream``: the CUDA stream it records on, or None.
-
-:class:`RecorderBase` holds the defaults of the last five: no pool, nothing released, no stream. A stand-in derives
-from it.
+The recorder protocol, :class:`Recorder`, states what :class:`CudaRecorder` and the stand-ins of CPU tests
+implement, member by member; stand-ins derive from it for the defaults of its optional members.
 
 :func:`use_recorder` is the engine's one test seam: within it, ``capture`` and ``capture_layers`` use the given
 recorder instead of a :class:`CudaRecorder`.
@@ -56,18 +34,17 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from packgraph.graphs import safety
+from packgraph import host_syncs
 from packgraph.graphs.memory import Pool, Unowned, unowned_storage
 from packgraph.graphs.signature import autocast_state
 
 if TYPE_CHECKING:
-    from packgraph.graphs.entry import Owner
+    from packgraph.graphs.capture import GraphedCallable
 
 __all__ = [
     "CudaRecorder",
     "Graph",
     "Recorder",
-    "RecorderBase",
     "capture_mode",
     "loop_stream",
     "parameters_replaced",
@@ -86,32 +63,37 @@ class Graph(Protocol):
 
 
 class Recorder(Protocol):
-    """The members of every recorder (the module docstring says what each does)."""
+    """What warms up and records a capture group's graphs. The last five members are optional: a recorder that
+    derives from this class gets their defaults (no pool, nothing released, no CUDA stream)."""
 
-    device_type: str
-    pool: Pool | None
-    shares_pool: bool
-    records_by_running: bool
-    stream: torch.cuda.Stream | None
-    unowned: Unowned | None
+    device_type: str  # the autocast device type of the signature ("cuda")
 
-    def check_input(self, t: Tensor) -> None: ...
+    def check_input(self, t: Tensor) -> None:
+        """Raise if ``t`` cannot be a graph input (wrong device)."""
+        ...
 
-    def warmup(self, run: Callable[[], None], iters: int, pool: Pool | None = None) -> None: ...
+    def warmup(self, run: Callable[[], None], iters: int, pool: Pool | None = None) -> None:
+        """Call ``run()`` ``iters`` times, eagerly (CUDA: on the side stream, its memory taken from the pool)."""
+        ...
 
-    def record(self, body: Callable[[], list], pool: Pool | None = None) -> tuple[Graph, list]: ...
+    def record(self, body: Callable[[], list[Tensor]], pool: Pool | None = None) -> tuple[Graph, list[Tensor]]:
+        """Capture ``body()`` (which returns the graph's static results) into the recorder's pool, or ``pool``;
+        return a graph whose ``replay()`` re-runs the recorded work, writing into those results."""
+        ...
 
-    def new_pool(self) -> Pool: ...
-
-
-class RecorderBase:
-    """The defaults of a recorder's optional members: no memory pool (a fresh ``new_pool()`` is a token that keeps
-    captures apart), memory it owns (nothing is released to a pool), no CUDA stream."""
-
+    # the shared pool; new_pool() gives a fresh one, for a capture that must not reuse the shared pool's memory (a
+    # token that keeps captures apart, without a pool)
     pool: Pool | None = None
-    shares_pool = False
-    records_by_running = False
-    stream: torch.cuda.Stream | None = None
+    # the pool is also the caller's, for other capture groups whose captures this group cannot see: nothing is
+    # released to it
+    shares_pool: bool = False
+    # a replay runs the body again (a stand-in): the engine keeps the autograd graph a backward body consumes
+    records_by_running: bool = False
+    stream: torch.cuda.Stream | None = None  # the CUDA stream it records on
+    # unowned(storage, pool) -> a storage over the same memory (of ``pool``) that does not keep it allocated, or
+    # None: the engine then releases idle backward results to the pool (packgraph.graphs.memory). A stand-in that
+    # implements it must treat that memory as reused by every later warm-up and capture into ``pool``, and every
+    # replay of a graph of ``pool`` captured after the call, as the CUDA pool may.
     unowned: Unowned | None = None
 
     def new_pool(self) -> Pool:
@@ -165,7 +147,7 @@ def recorder_for(pool: Pool | None, sample_args: Any, who: str) -> Recorder:
     return CudaRecorder(pool, next((t.device for t in tensors), None))
 
 
-class CudaRecorder(RecorderBase):
+class CudaRecorder(Recorder):
     """Warms up and records CUDA graphs on one stream (the caller's, or a side stream when the caller is on the
     default stream) into one memory pool (``pool``).
 
@@ -234,13 +216,13 @@ class CudaRecorder(RecorderBase):
         previous = torch.cuda.current_stream(self.device)
         try:
             with (
-                safety.gc_paused(),  # a collection freeing an old graph would invalidate this capture
-                torch.cuda.graph(graph, pool=pool, stream=self.stream, **safety.CAPTURE_KWARGS),
+                host_syncs.gc_paused(),  # a collection freeing an old graph would invalidate this capture
+                torch.cuda.graph(graph, pool=pool, stream=self.stream, **host_syncs.CAPTURE_KWARGS),
                 _without_donated_buffers(),
             ):
                 results = body()
         except BaseException:
-            safety.recover_after_failed_capture(previous, self.device, pool)
+            host_syncs.recover_after_failed_capture(previous, self.device, pool)
             raise
         return graph, results
 
@@ -281,7 +263,7 @@ def proxy_leaf(p: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def parameters_replaced(owner: Owner, replacement: dict[int, Tensor]) -> Iterator[None]:
+def parameters_replaced(owner: GraphedCallable, replacement: dict[int, Tensor]) -> Iterator[None]:
     """Within the block, every parameter place of ``owner``'s module (``owner.param_places()``) that holds a key of
     ``replacement`` holds its value."""
     swapped = []
@@ -299,7 +281,7 @@ def parameters_replaced(owner: Owner, replacement: dict[int, Tensor]) -> Iterato
 
 
 @contextlib.contextmanager
-def capture_mode(owner: Owner, train: bool) -> Iterator[None]:
+def capture_mode(owner: GraphedCallable, train: bool) -> Iterator[None]:
     """Grad mode for a training (or forward-only) capture, and the caller's autocast state without its cast cache."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.inference_mode(False))

@@ -418,40 +418,34 @@ def is_chained(key: Key) -> bool:
     return isinstance(key, TensorKey) and key.source is not None
 
 
+def _leaves(signature: CallSignature) -> Iterator[tuple[str, Key]]:
+    """Every leaf key of a signature with its path (``args[0].leaf[1]``), in ``dyn`` order."""
+
+    def visit(path: str, key: Key) -> Iterator[tuple[str, Key]]:
+        if isinstance(key, TreeKey):
+            for j, leaf in enumerate(key.leaves):
+                yield from visit(f"{path}.leaf[{j}]", leaf)
+        else:
+            yield path, key
+
+    for i, key in enumerate(signature.args):
+        yield from visit(f"args[{i}]", key)
+    for name, key in signature.kwargs:
+        yield from visit(f"kwargs[{name!r}]", key)
+
+
 def dyn_keys(signature: CallSignature) -> list[TensorKey | ParamsKey]:
     """The leaf keys of the dynamic inputs, in ``dyn`` order (tensors and params only)."""
-    keys: list[TensorKey | ParamsKey] = []
-
-    def visit(key: Key) -> None:
-        if isinstance(key, (ParamsKey, TensorKey)):
-            keys.append(key)
-        elif isinstance(key, TreeKey):
-            for leaf in key.leaves:
-                visit(leaf)
-
-    for key in signature.args:
-        visit(key)
-    for _, key in signature.kwargs:
-        visit(key)
-    return keys
+    return [key for _, key in _leaves(signature) if isinstance(key, (ParamsKey, TensorKey))]
 
 
 def identity_statics(signature: CallSignature) -> list[str]:
     """Paths of static values keyed by identity (unhashable objects): a new object is a new signature."""
-    found: list[str] = []
-
-    def visit(path: str, key: Key) -> None:
-        if isinstance(key, StaticKey) and isinstance(key.value, GroupIdentity):
-            found.append(f"{path} ({key.type.__name__})")
-        elif isinstance(key, TreeKey):
-            for j, leaf in enumerate(key.leaves):
-                visit(f"{path}.leaf[{j}]", leaf)
-
-    for i, key in enumerate(signature.args):
-        visit(f"args[{i}]", key)
-    for name, key in signature.kwargs:
-        visit(f"kwargs[{name!r}]", key)
-    return found
+    return [
+        f"{path} ({key.type.__name__})"
+        for path, key in _leaves(signature)
+        if isinstance(key, StaticKey) and isinstance(key.value, GroupIdentity)
+    ]
 
 
 def autocast_state(device_type: str) -> torch.dtype | None:

@@ -43,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from packgraph.buckets import BucketPolicy
 from packgraph.graphs.capture import is_dtensor, is_fsdp_unit
-from packgraph.graphs.safety import GraphCaptureError
+from packgraph.host_syncs import GraphCaptureError
 from packgraph.integrations.hf_batches import from_flattening_batch, to_flattening_batch
 from packgraph.ops import varlen_attention
 from packgraph.packing import PackedBatch

@@ -1,4 +1,4 @@
-"""Host-sync diagnostics (packgraph.graphs.safety) on the CPU: frames, fixes, the warning recorder.
+"""Host-sync diagnostics (packgraph.host_syncs) on the CPU: frames, fixes, the warning recorder.
 
 The real detector needs CUDA (tests/cuda/test_host_syncs_cuda.py); here the pieces it is built from are checked
 with stand-ins: an object whose ``.tolist()`` raises the CUDA capture error, and a CPU op that warns on every call
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from packgraph.graphs import GraphCaptureError, HostSync, find_host_syncs
-from packgraph.graphs.safety import (
+from packgraph.host_syncs import (
     _SyncRecorder,
     explain_capture_failure,
     failing_frame,

@@ -1,4 +1,4 @@
-"""Host-sync detection: find the lines that stop a callable from being captured, and say how to fix them.
+"""What breaks a CUDA graph capture: find the lines that would, explain a capture that did, and recover after it.
 
 A CUDA graph records device work only. Anything that makes the host wait for the device (``.item()``,
 ``.tolist()``, ``.cpu()``, ``bool(tensor)``, ``torch.nonzero``...) either breaks a capture ("operation not
@@ -11,6 +11,11 @@ this constantly: Megatron's unfused THD RoPE walks ``cu_seqlens.tolist()``, and 
   the sync mode does not flag. It needs CUDA: on the CPU nothing synchronises, so there is nothing to find.
 * :func:`explain_capture_failure` turns a failed capture into a :class:`GraphCaptureError` naming the offending
   line and the usual fix; :func:`packgraph.capture` raises it.
+* :func:`gc_paused`, :data:`CAPTURE_KWARGS` and :func:`recover_after_failed_capture` keep a capture from failing
+  for reasons of the process rather than the callable, and leave the process usable when one fails.
+
+It imports torch only: the graph engine (``packgraph.graphs``) builds on it, and frames of either are not the
+user's line.
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ __all__ = [
     "explain_capture_failure",
     "gc_paused",
     "is_capture_error",
+    "recover_after_failed_capture",
 ]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_ENGINE_DIR = os.path.dirname(__file__) + os.sep
+_ENGINE_DIR = os.path.join(os.path.dirname(__file__), "graphs") + os.sep
 _STDLIB_FILES = (os.sep + "contextlib.py", os.sep + "warnings.py")
 # torch warns "called a synchronizing CUDA operation"; its "Synchronization debug mode is a prototype" notice
 # (emitted when the mode is switched on) must not count as a sync.
@@ -115,6 +121,7 @@ def _is_user_frame(filename: str) -> bool:
     return not (
         filename.startswith(_TORCH_DIR)
         or filename.startswith(_ENGINE_DIR)
+        or filename == __file__
         or filename.endswith(_STDLIB_FILES)
         or filename.startswith("<frozen")
     )
