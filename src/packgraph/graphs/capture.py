@@ -22,7 +22,7 @@ import operator
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -567,6 +567,26 @@ def _tree_tables(mod: nn.Module) -> list[dict]:
     return [mod._modules, mod._parameters, mod._buffers, *(getattr(mod, n) for n in _HOOK_TABLES if hasattr(mod, n))]
 
 
+class GraphedOptions(TypedDict, total=False):
+    """The options of each :class:`GraphedCallable` (:func:`capture` documents them)."""
+
+    num_warmup_iters: int
+    on_mismatch: str
+    max_graphs: int | None
+    forward_only: bool
+    share_activations: bool
+    recompute: bool
+    inside_fsdp_units: bool
+
+
+class CaptureOptions(GraphedOptions, total=False):
+    """:func:`capture`'s keyword options, which every layer of :func:`capture_layers` takes too."""
+
+    validate: str
+    buckets: BucketPolicy | None
+    keep_mamba_fields: bool
+
+
 DEFAULT_MAX_GRAPHS = 8
 """Cache bound of a callable captured without a bucket policy (with one, the policy bounds the signatures)."""
 
@@ -654,7 +674,7 @@ def capture_with(
     validate: str = "host",
     buckets: BucketPolicy | None = None,
     keep_mamba_fields: bool = False,
-    **options: Any,
+    **options: Unpack[GraphedOptions],
 ) -> GraphedCallable:
     """:func:`capture` with an explicit recorder (the protocol is in :mod:`packgraph.graphs.recorder`)."""
     group = _make_group(recorder, validate=validate, buckets=buckets, keep_mamba_fields=keep_mamba_fields, chain=False)
@@ -675,7 +695,7 @@ def capture_layers_with(
     validate: str = "host",
     buckets: BucketPolicy | None = None,
     keep_mamba_fields: bool = False,
-    **options: Any,
+    **options: Unpack[GraphedOptions],
 ) -> list[GraphedCallable]:
     """:func:`capture_layers` with an explicit recorder."""
     if not layers:
@@ -803,7 +823,7 @@ def capture_layers(
     *,
     chain: bool = True,
     pool: Pool | None = None,
-    **options: Any,
+    **options: Unpack[CaptureOptions],
 ) -> list[GraphedCallable]:
     """Capture N layers into one memory pool, for a stack run as ``x = layer(x, *rest)``.
 
