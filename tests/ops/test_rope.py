@@ -129,3 +129,25 @@ def test_rejects_inputs_it_would_round_reshape_or_turn_to_nan(kwargs, match):
     with pytest.raises(ValueError, match=match) as e:
         apply_rope_thd(x, params, **kwargs)
     assert str(e.value).startswith("apply_rope_thd: ") and "\n" not in str(e.value)
+
+
+def test_compiles_without_a_graph_break_with_its_cache_empty():
+    """Under torch.compile the inverse frequencies are computed in the graph: the cache of eager calls, empty at a
+    compiled model's first call, would break the graph (Dynamo cannot trace its inference-mode query) and add a
+    recompile once filled. Values as eager's."""
+    import packgraph.ops.rope as rope_mod
+
+    params = PackedSeqParams.from_seqlens([30, 20, 1], capacity=4, total_tokens=64)
+    x = torch.randn(64, 2, 16, generator=torch.Generator().manual_seed(0))
+
+    def step(x: torch.Tensor, params: PackedSeqParams) -> torch.Tensor:
+        return apply_rope_thd(x, params, base=500.0) * 2
+
+    rope_mod._inv_freq_cache.clear()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(x, params)
+    assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
+    assert explained.graph_count == 1
+    assert not rope_mod._inv_freq_cache  # nothing cached while tracing
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(step, backend="eager")(x, params), step(x, params))

@@ -32,18 +32,26 @@ def rope_positions(packed_seq_params: PackedSeqParams, total_tokens: int) -> Ten
 
 
 def _inv_freq(head_dim: int, base: float, device: torch.device, dtype: torch.dtype) -> Tensor:
+    if torch.compiler.is_compiling():
+        # Traced into the caller's graph: the cache below would break it (Dynamo cannot trace the inference-mode
+        # query) and add a recompile once the cache fills. The check comes first, before any other call.
+        return _computed_inv_freq(head_dim, base, device, dtype)
     key = (head_dim, float(base), device, dtype)
     cached = _inv_freq_cache.get(key)
     if cached is not None:
         return cached
-    exponents = torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim
-    inv_freq = 1.0 / (float(base) ** exponents)
+    inv_freq = _computed_inv_freq(head_dim, base, device, dtype)
     # A tensor made during capture lives in the graph's pool and only holds values once the graph replays;
     # an inference tensor cannot join autograd later. Cache neither.
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not capturing and not torch.is_inference_mode_enabled():
         _inv_freq_cache[key] = inv_freq
     return inv_freq
+
+
+def _computed_inv_freq(head_dim: int, base: float, device: torch.device, dtype: torch.dtype) -> Tensor:
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim
+    return 1.0 / (float(base) ** exponents)
 
 
 def apply_rope_thd(
