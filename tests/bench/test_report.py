@@ -28,6 +28,11 @@ def test_readme_table_from_results():
     assert cells["packgraph step/busy"] == f"{5.0 / 4.5:.2f}"
     assert cells["packgraph memory / eager"] == "1.050 / -"  # peak allocated 1050 / 1000, no reserved figures
     assert len(table) == 5  # caption, blank, header, rule, one cell
+    # the document-mask methods have columns of their own, after packgraph's FA2 ones and before the baselines
+    doc = results_doc([*one_cell_records(), record("packgraph-docmask-model+compile", 4.0, busy=3.9)])
+    header = [c.strip() for c in readme_table(doc).splitlines()[2].strip("|").split("|")]
+    assert header[5:9] == ["packgraph-model", "packgraph-docmask-model+compile", "compile-ro", "padded"]
+    assert "packgraph-docmask" not in header  # no record of it: no column
 
 
 def test_busy_split_drives_step_over_busy_and_the_kernel_class_table():

@@ -105,6 +105,8 @@ METHOD_ORDER: tuple[str, ...] = (
     "packgraph-model",
     "packgraph+compile",
     "packgraph-model+compile",
+    "packgraph-docmask",
+    "packgraph-docmask-model+compile",
     "compile",
     "compile-ro",
     "compile-ro-raw",
