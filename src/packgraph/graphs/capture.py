@@ -635,7 +635,7 @@ def _capture_stack(
         if k + 1 < len(graphed):
             # real values in the output the next layer warms up on; a held output of another signature of this
             # layer (the same buffer) moves first, as at any forward replay
-            entry.before_replay(entry.fwd.seq, "forward")
+            memory.before_replay(entry, entry.fwd.seq, "forward")
             entry.fwd.graph.replay()
         entry.capture_seconds = time.perf_counter() - started[-1]
         entries.append(entry)
@@ -647,7 +647,7 @@ def _capture_stack(
             chained_grad = entries[k + 1].grad_input_buffer(0)
             if chained_grad is not None:
                 given[0] = chained_grad
-        entry.before_allocating(release=False)  # as a backward captured at first use does
+        memory.before_capture(entry, release=False)  # as a backward captured at first use does
         with explained_capture_errors(entry):
             entry.capture_backward(given, last_in_stack=k + 1 == len(entries))
         entry.capture_seconds += time.perf_counter() - t0

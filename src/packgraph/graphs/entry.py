@@ -37,7 +37,6 @@ from packgraph.graphs.memory import (
     COPIED_OUTPUT_BYTES,
     Handout,
     Pool,
-    check_replay_order,
     fits,
     freed_at,
     preserve_version,
@@ -198,25 +197,11 @@ class Entry:
         grads = [] if self.bwd is None else [r.static for r in self.bwd.grad_records if r is not None]
         return [r.static for r in self.fwd.out_records] + grads
 
-    def before_allocating(self, *, release: bool) -> None:
-        """Before a warm-up or capture allocates from the pool: move handed-out tensors off released memory (the
-        allocator may place this capture's tensors there), and with ``release`` (a forward capture, where a step
-        starts) release the backward results nobody holds (:mod:`packgraph.graphs.memory`)."""
-        group = self.owner.group
-        group.handouts.before_capture(self.pool)
-        if group.retained:
-            memory.overwrite_retained(self, None, "capture", capture=True)
-        if release:
-            group.chain_buffers.give_back()
-        unowned = group.recorder.unowned
-        if release and unowned is not None and not group.recorder.shares_pool and self.owner.share_activations:
-            group.handouts.release_idle(unowned, group.peek_seq())
-
     def _warm_up(self) -> None:
         owner = self.owner
         train = not owner.forward_only
         targets = self._grad_targets() if train else []
-        self.before_allocating(release=True)
+        memory.before_capture(self, release=True)
         if owner.buffers.weights_warmed:
             # An earlier capture of this callable already ran every weight-grad kernel (their shapes do not depend
             # on the signature): warming up input grads alone keeps a second set of parameter grads off the peak.
@@ -421,7 +406,7 @@ class Entry:
         Capturing the backward at forward time instead would let the next layer's forward capture place its
         static output where this backward keeps temporaries, and this backward (which runs last) would then
         overwrite the stack's output after ``loss.backward()``."""
-        self.before_allocating(release=False)
+        memory.before_capture(self, release=False)
         consumer = self.consumer() if self.consumer is not None else None
         given = {}
         if consumer is not None and consumer.bwd is not None:
@@ -473,20 +458,6 @@ class Entry:
         self.tokens = []
 
     # ---------------------------------------------------------------- replay
-    def before_replay(self, seq: int | None, what: str) -> None:
-        """The order check (:mod:`~packgraph.graphs.memory`), then move handed-out tensors this replay may write."""
-        check_replay_order(self, seq, what)
-        writers = (self.owner.uid, id(self))
-        if what == "backward":
-            # Its own grads and the chained grad buffers it writes (the one of its input grad, and the one its output
-            # grad is copied into), not the outputs: only forwards write those.
-            bwd = self.bwd
-            chained = [] if bwd is None else [*bwd.chain_records.values(), *bwd.grad_output_records]
-            writers = (id(self), *(r.writer for r in chained))
-        else:
-            self.owner.group.chain_buffers.give_back()  # a forward: the stack's backward is over (or not started)
-        self.owner.group.handouts.before_replay(seq, writers, self.pool)
-
     def load(self, dyn: list) -> None:
         keep_versions = self.fwd.trains and self.bwd is None
         for param, copy in self.param_loads:
@@ -517,7 +488,7 @@ class Entry:
         if not fwd.trains or not torch.is_grad_enabled():
             if self.owner.forward_only and torch.is_grad_enabled():
                 self._refuse_grad(dyn)
-            self.before_replay(fwd.seq, "forward")
+            memory.before_replay(self, fwd.seq, "forward")
             with torch.no_grad():
                 self.load(dyn)
                 fwd.graph.replay()
@@ -625,7 +596,7 @@ class Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: FunctionCtx, entry: Entry, dyn: list, *grad_tensors: Tensor) -> tuple[Tensor, ...]:
-        entry.before_replay(entry.fwd.seq, "forward")
+        memory.before_replay(entry, entry.fwd.seq, "forward")
         entry.load(dyn)
         entry.fwd.graph.replay()
         entry.flight = weakref.ref(ctx)
@@ -669,7 +640,7 @@ class Replay(torch.autograd.Function):
             entry.capture_backward_late()
         bwd = entry.bwd
         assert bwd is not None  # capture_backward records it when fwd.trains, which Replay needs
-        entry.before_replay(bwd.seq, "backward")
+        memory.before_replay(entry, bwd.seq, "backward")
         grads_out = entry.replay_backward(bwd, grads)
         if _KEEP_GRAPH is None or _KEEP_GRAPH():  # unknown: as if retained (a second backward then checks)
             if entry.owner.share_activations:

@@ -147,6 +147,8 @@ __all__ = [
     "KEPT_FOR_HOLDERS",
     "SWAP_DATA_PTR",
     "SharedBuffers",
+    "before_capture",
+    "before_replay",
     "check_replay_order",
     "in_flight_overlap",
     "let_go_retained",
@@ -882,3 +884,37 @@ class ChainGradBuffers:
         for block in self._blocks.values():
             block.close()
         self._blocks = {}
+
+
+# ------------------------------------------------------------------------------------------ before captures and replays
+def before_capture(entry: Entry, *, release: bool) -> None:
+    """Before a warm-up or capture of ``entry`` allocates from its pool: move handed-out tensors off released memory
+    (the allocator may place the capture's tensors there; part 3), mark the retained backwards it may overwrite
+    (part 1), and with ``release`` (a forward capture, where a step starts) give back the chained grad buffers
+    (part 4) and release the backward results nobody holds (part 3)."""
+    group = entry.owner.group
+    group.handouts.before_capture(entry.pool)
+    if group.retained:
+        overwrite_retained(entry, None, "capture", capture=True)
+    if release:
+        group.chain_buffers.give_back()
+    unowned = group.recorder.unowned
+    if release and unowned is not None and not group.recorder.shares_pool and entry.owner.share_activations:
+        group.handouts.release_idle(unowned, group.peek_seq())
+
+
+def before_replay(entry: Entry, seq: int | None, what: str) -> None:
+    """Before ``entry`` replays its ``what`` graph (``"forward"`` or ``"backward"``, recorded at ``seq``): the order
+    check (part 1), then move handed-out tensors this replay may write (part 3)."""
+    check_replay_order(entry, seq, what)
+    group = entry.owner.group
+    writers = (entry.owner.uid, id(entry))
+    if what == "backward":
+        # Its own grads and the chained grad buffers it writes (the one of its input grad, and the one its output
+        # grad is copied into), not the outputs: only forwards write those.
+        bwd = entry.bwd
+        chained = [] if bwd is None else [*bwd.chain_records.values(), *bwd.grad_output_records]
+        writers = (id(entry), *(r.writer for r in chained))
+    else:
+        group.chain_buffers.give_back()  # a forward: the stack's backward is over (or not started)
+    group.handouts.before_replay(seq, writers, entry.pool)
