@@ -534,3 +534,33 @@ def test_dead_row_zeros_compile_without_a_graph_break():
     explained = torch._dynamo.explain(step)(x, live)
     assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
     assert explained.graph_count == 1
+
+
+def test_compiles_without_a_graph_break_or_recompile_for_params_with_host_offsets():
+    """Params that carry host offsets (``from_seqlens``, ``PackedBatch``) under torch.compile: one graph for every
+    packing, no break. Checking the host copies reads the tensors' version counters (on a GPU) or values (on the CPU),
+    which Dynamo breaks the graph on in every attention layer, and their values would become guards (a recompile
+    per batch): the check is skipped while tracing, as for device-only params. Values as eager's."""
+    from torch._dynamo.utils import counters
+
+    T = 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, h, 16, generator=g) for h in (4, 2, 2))
+    packings = [PackedSeqParams.from_seqlens(n, capacity=4, total_tokens=T) for n in ([30, 20], [10] * 3, [64])]
+    assert all(p.current_host_offsets() is not None for p in packings)
+
+    def layer(q, k, v, params):
+        return varlen_attention(q, k, v, params, causal=True) * 2
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(q, k, v, packings[0])
+    assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, backend="eager")
+    for params in packings:
+        torch.testing.assert_close(compiled(q, k, v, params), layer(q, k, v, params))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    # eager still checks the offsets against the rows when the host knows them
+    with pytest.raises(PackedSeqParamsError, match="exceeds the tensor's rows"):
+        layer(q[:40], k[:40], v[:40], packings[0])

@@ -152,6 +152,10 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams) -> N
             f"local_cp_size={params.local_cp_size}; use packgraph.distributed.cp_varlen_attention, which gathers "
             "K/V across cp_group",
         )
+    # Offsets past the stream would read out of bounds in the kernel; when the host knows them, check free. Not
+    # while torch.compile traces: there the tensors' version counters (which say whether the host copies are
+    # current) are unknowns Dynamo breaks the graph on, in every layer, and the copies' values would become guards.
+    host = {} if torch.compiler.is_compiling() else (params.current_host_offsets() or {})
     for which, rows in (("q", q.shape[0]), ("kv", k.shape[0])):
         name = f"cu_seqlens_{which}"
         cu = getattr(params, name)
@@ -164,8 +168,6 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams) -> N
         padded = getattr(params, f"{name}_padded")
         if padded is not None and padded.shape != cu.shape:
             raise PackedSeqParamsError(f"{name}_padded", "shape differs from its unpadded twin")
-        # Offsets past the stream would read out of bounds in the kernel; when the host knows them, check free.
-        host = params.current_host_offsets() or {}
         layout_name = f"{name}_padded" if padded is not None else name
         if layout_name in host and host[layout_name][-1] > rows:
             raise PackedSeqParamsError(
