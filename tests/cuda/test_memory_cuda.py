@@ -197,12 +197,12 @@ def test_chained_grad_buffers_are_allocated_only_while_a_backward_runs(report):
     lent_bytes = []
     for i, batch in enumerate(batches):
         g_loss, g_grads = loss_and_grads(model, graphed, batch)
-        blocks = list(graphed.callables[0].group.chain_buffers._blocks.values())
+        blocks = list(graphed.callables[0].group.memory.chain_buffers._blocks.values())
         assert len(blocks) == 1 and blocks[0].memory is not None  # lent by the backward, until the next forward
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             graphed(batch)  # a forward: the block goes back to its pool
         assert blocks[0].memory is None
-        buffers = graphed.callables[0].group.chain_buffers
+        buffers = graphed.callables[0].group.memory.chain_buffers
         buffers.lend()
         before = torch.cuda.memory_allocated()
         buffers.give_back()

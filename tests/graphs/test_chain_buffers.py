@@ -41,8 +41,8 @@ def test_the_last_layer_reads_its_output_grad_from_a_chained_buffer():
     writes its input grad into slot 0, and so on down the stack."""
     layers, graphed = _stack()
     group = graphed[0].group
-    assert len(group.chain_buffers.records()) == 2
-    statics = {id(r.static) for r in group.chain_buffers.records()}
+    assert len(group.memory.chain_buffers.records()) == 2
+    statics = {id(r.static) for r in group.memory.chain_buffers.records()}
     last = _entry(graphed[-1])
     assert id(last.bwd.static_grad_outputs[0]) in statics
     writes = [next(iter(_entry(g).bwd.chain_records.values())).writer[-1] for g in graphed[1:]]
@@ -56,7 +56,7 @@ def test_the_last_layer_reads_its_output_grad_from_a_chained_buffer():
 
 def test_buffers_are_given_back_at_a_forward_unless_a_grad_on_them_is_held():
     layers, graphed = _stack()
-    buffers = graphed[0].group.chain_buffers
+    buffers = graphed[0].group.memory.chain_buffers
     _step(graphed, layers, 1)
     graphed[0](_x(2), SIG)  # a forward: the stack's backward is over, nothing held
     assert all(torch.isnan(r.static).all() for r in buffers.records())

@@ -5,8 +5,9 @@
   another signature raises :class:`GraphSignatureError` naming every field that differs). Captures are logged at
   INFO and evictions at WARNING on the ``packgraph.graphs`` logger.
 * :class:`CaptureGroup` is what callables captured together share: the recorder (which owns the CUDA memory pool
-  and the side stream), the params preparer, and the registry of static outputs that lets one graph read another
-  graph's output in place (:class:`OutputRegistry`).
+  and the side stream), the params preparer, the memory state (:class:`~packgraph.graphs.memory.GroupMemory`),
+  and the registry of static outputs that lets one graph read another graph's output in place
+  (:class:`OutputRegistry`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from torch import Tensor
 
-from packgraph.graphs.memory import ChainGradBuffers, HandoutBook
+from packgraph.graphs.memory import GroupMemory
 from packgraph.graphs.signature import CallSignature, ParamsPreparer, signature_diff
 from packgraph.params import PackedSeqParamsError
 
@@ -251,9 +252,8 @@ class CaptureGroup:
         preparer: the :class:`~packgraph.graphs.signature.ParamsPreparer` (validation, buckets).
         chain: let a graph read another graph's static output in place (layer stacks).
 
-    ``next_seq()`` numbers the group's captures in order; ``in_flight`` holds the entries whose forward replayed and
-    whose backward has not run yet, ``handouts`` the graph memory handed out to the caller and ``chain_buffers``
-    a chained stack's grad buffers (:mod:`packgraph.graphs.memory` says why they matter).
+    ``memory`` is the group's memory state (:class:`~packgraph.graphs.memory.GroupMemory`): capture numbers,
+    pending and retained backwards, handouts, a chained stack's grad buffers.
     """
 
     def __init__(self, recorder: Recorder, preparer: ParamsPreparer, *, chain: bool = False) -> None:
@@ -261,16 +261,9 @@ class CaptureGroup:
         self.preparer = preparer
         self.chain = chain
         self.outputs = OutputRegistry() if chain else None
-        self._seq = 0
-        self.in_flight: dict[int, Entry] = {}
-        self.retained: dict[int, tuple[Entry, weakref.ref]] = {}  # id(autograd node) -> a backward run retained
-        self.handouts = HandoutBook()
-        self.chain_buffers = ChainGradBuffers(cuda=recorder.stream is not None)
+        self.memory = GroupMemory(recorder)
         self._stack: list[weakref.ref[GraphedCallable]] = []
         self._callables: weakref.WeakSet[GraphedCallable] = weakref.WeakSet()
-        # Handed-out views do not keep the graphs' memory allocated: move their holders before it goes.
-        weakref.finalize(self, self.handouts.settle_all)
-        weakref.finalize(self, self.chain_buffers.close)
 
     def add(self, graphed: GraphedCallable) -> None:
         """A callable of the group (a :class:`~packgraph.graphs.capture.GraphedCallable`)."""
@@ -288,11 +281,3 @@ class CaptureGroup:
         """The chained stack's callables, in order; empty when there is none or one of them is gone."""
         stack = [r() for r in self._stack]
         return stack if all(c is not None for c in stack) else []
-
-    def next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
-    def peek_seq(self) -> int:
-        """The number of the newest capture (every later capture gets a larger one)."""
-        return self._seq

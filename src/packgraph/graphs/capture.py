@@ -291,7 +291,7 @@ class GraphedCallable:
         dropped = self.cache.clear()
         self._let_go(dropped)
         self.buffers.clear()
-        self.group.handouts.forget_writer(self.uid)  # the shared buffers' records go with them
+        self.group.memory.handouts.forget_writer(self.uid)  # the shared buffers' records go with them
         self.tree.scan()
         # A part's parameters swap between shards and gathered tensors at every call; a callable graphed with
         # plain parameters that FSDP2 holds now would read storage FSDP2 frees.
@@ -324,7 +324,7 @@ class GraphedCallable:
         return [] if self.forward_only else [p for p in self.params if p.requires_grad]
 
     def any_in_flight(self) -> bool:
-        return any(e.in_flight for e in self.group.in_flight.values() if e.owner is self)
+        return any(e.in_flight for e in self.group.memory.in_flight.values() if e.owner is self)
 
     # ---------------------------------------------------------------- cache
     @property
@@ -522,7 +522,7 @@ class GraphedCallable:
         memory.let_go_retained(entries, self.name)
         for old in entries:
             old.release()
-            self.group.handouts.forget_writer(id(old))
+            self.group.memory.handouts.forget_writer(id(old))
         if entries:
             self.buffers.keep_only(self.cache.values())
 

@@ -129,12 +129,12 @@ class Entry:
         # group's pool may hand it that graph's activations), or ``apart``: when graphs captured before it may
         # replay while it is in flight (their temporaries may lie where its activations are placed).
         self.pool: Pool | None = recorder.pool
-        if apart or any(o.in_flight and freed_at(o) < float("inf") for o in owner.group.in_flight.values()):
+        if apart or any(o.in_flight and freed_at(o) < float("inf") for o in owner.group.memory.in_flight.values()):
             self.pool = recorder.new_pool()
         # A new signature's capture writes the callable's shared buffers before any replay (the call's inputs are
         # loaded into them below; a stand-in recorder's capture writes its outputs): what is handed out on them
         # moves to memory of its own first.
-        owner.group.handouts.settle_writer(owner.uid)
+        owner.group.memory.handouts.settle_writer(owner.uid)
         self.tokens: list[tuple[Tensor, int]] = []
         self.capture_seconds = 0.0
         keys = dyn_keys(key)
@@ -256,7 +256,7 @@ class Entry:
             return owner.buffers.write("output", raw)
 
         graph, static_outputs = owner.group.recorder.record(body, pool=self.pool)
-        seq = owner.group.next_seq()
+        seq = owner.group.memory.next_seq()
         raw_outputs: list[Tensor | None] = traced["raw"]
         owner.buffers.free_copied(raw_outputs, static_outputs)
         nondiff = [j for j, o in enumerate(traced["raw"]) if not o.requires_grad]
@@ -307,7 +307,7 @@ class Entry:
         owner, fwd = self.owner, self.fwd
         if not fwd.trains:
             return
-        owner.group.chain_buffers.lend()
+        owner.group.memory.chain_buffers.lend()
         raw = [o for o in fwd.raw_outputs if o is not None]
         if len(raw) < len(fwd.raw_outputs):
             raise RuntimeError(f"{owner.name}: a backward graph is recorded once, from the forward's autograd graph")
@@ -319,24 +319,24 @@ class Entry:
         for j in diff:
             static_grad_outputs[j] = given.get(j)
             if static_grad_outputs[j] is None and j == 0 and last_in_stack and owner.group.chain:
-                record = owner.group.chain_buffers.for_stack_output(raw[0])
+                record = owner.group.memory.chain_buffers.for_stack_output(raw[0])
                 static_grad_outputs[0] = record.static
                 grad_output_records.append(record)
             if static_grad_outputs[j] is None:
                 static_grad_outputs[j] = owner.buffers.get(("grad_output", j), raw[j], zero=True)
         grad_plan = [(j, g, g.data_ptr()) for j, g in enumerate(static_grad_outputs) if g is not None]
-        chain_statics = {id(r.static): r for r in owner.group.chain_buffers.records()}
+        chain_statics = {id(r.static): r for r in owner.group.memory.chain_buffers.records()}
         read_chain = {j: chain_statics[id(g)] for j, g in enumerate(static_grad_outputs) if id(g) in chain_statics}
         pattern: list[bool] = []
         n_in = len(self.grad_positions)
         pairs = zip(self.grad_positions, self.chained_grad_inputs, strict=True)
         chained = {i: self.static_inputs[i] for i, c in pairs if c}
-        by_position = owner.group.chain_buffers.for_backward(chained, static_grad_outputs)
+        by_position = owner.group.memory.chain_buffers.for_backward(chained, static_grad_outputs)
         chain = {k: by_position[i] for k, i in enumerate(self.grad_positions) if i in by_position}
         for record in [*chain.values(), *grad_output_records]:
             # What is handed out on the buffers this graph writes (the output grad it is about to read, say) moves
             # first: a recorder that records by running the body writes them now.
-            owner.group.handouts.settle_writer(record.writer)
+            owner.group.memory.handouts.settle_writer(record.writer)
         # Without retain_graph the saved activations go back to the pool when this capture ends, and later captures
         # (other signatures) reuse them; retained, they stay this graph's alone. A stand-in recorder that runs the
         # body to record it replays by running it again on the same autograd graph: it keeps it.
@@ -361,7 +361,7 @@ class Entry:
 
         chain_records: dict[int, Handout] = {}
         graph, kept = owner.group.recorder.record(body, pool=self.pool)
-        seq = owner.group.next_seq()
+        seq = owner.group.memory.next_seq()
         if not retain:
             fwd.raw_outputs = _only_static(fwd.raw_outputs, fwd.static_outputs)
         it = iter(kept)
@@ -394,7 +394,7 @@ class Entry:
             params = () if k < n_in else (self.trainable[k - n_in],)
             name = f"{what} of {owner.name}"
             record = Handout(g, seq=seq, writer=id(self), pool=self.pool, name=name, params=params)
-            owner.group.handouts.track(record)
+            owner.group.memory.handouts.track(record)
             records.append(record)
         return records
 
@@ -479,7 +479,7 @@ class Entry:
                     buf.copy_(src)
 
     def hand_out_outputs(self) -> list[Tensor]:
-        book, copied = self.owner.group.handouts, self.fwd.copied_outputs
+        book, copied = self.owner.group.memory.handouts, self.fwd.copied_outputs
         records = self.fwd.out_records
         return [r.static.detach().clone() if j in copied else book.hand_out(r) for j, r in enumerate(records)]
 
@@ -512,7 +512,7 @@ class Entry:
             )
 
     def replay_backward(self, bwd: BackwardGraph, grads: tuple) -> list:
-        book = self.owner.group.handouts
+        book = self.owner.group.memory.handouts
         for j, buf, ptr in bwd.grad_plan:
             g = grads[j]
             if g is None:
@@ -600,7 +600,7 @@ class Replay(torch.autograd.Function):
         entry.load(dyn)
         entry.fwd.graph.replay()
         entry.flight = weakref.ref(ctx)
-        entry.owner.group.in_flight[id(entry)] = entry
+        entry.owner.group.memory.in_flight[id(entry)] = entry
         ctx.entry = entry
         ctx.versions = _param_versions(entry)
         ctx.set_materialize_grads(False)
@@ -634,8 +634,8 @@ class Replay(torch.autograd.Function):
                 "values. Run the backward before changing the parameters, as eager needs for the weights it saves."
             )
         entry.flight = None
-        entry.owner.group.in_flight.pop(id(entry), None)
-        entry.owner.group.chain_buffers.lend()
+        entry.owner.group.memory.in_flight.pop(id(entry), None)
+        entry.owner.group.memory.chain_buffers.lend()
         if entry.bwd is None:
             entry.capture_backward_late()
         bwd = entry.bwd

@@ -136,11 +136,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 if TYPE_CHECKING:
     from packgraph.graphs.capture import GraphedCallable
     from packgraph.graphs.entry import Entry
+    from packgraph.graphs.recorder import Recorder
 
 __all__ = [
     "COPIED_OUTPUT_BYTES",
     "ChainGradBuffers",
     "GraphOrderError",
+    "GroupMemory",
     "Handout",
     "Pool",
     "HandoutBook",
@@ -189,7 +191,7 @@ def check_replay_order(entry: Entry, seq: int | None, what: str) -> None:
     overwrite memory of a graph of the group whose backward has not run yet (module docstring)."""
     found = in_flight_overlap(entry, seq, what)
     if found is None:
-        if entry.owner.group.retained:
+        if entry.owner.group.memory.retained:
             overwrite_retained(entry, seq, what)
         return
     why, other = found
@@ -215,7 +217,7 @@ def in_flight_overlap(entry: Entry, seq: int | None, what: str) -> tuple[str, En
     recorded at ``seq`` may write, and why: ``"again"`` (``entry`` itself, replayed forward again), ``"buffers"``
     (another signature of the same callable: they share buffers) or ``"pool"`` (captured in one pool in another
     order than they run). None when the replay is safe."""
-    flights = entry.owner.group.in_flight
+    flights = entry.owner.group.memory.in_flight
     for key, other in list(flights.items()):
         if not other.in_flight:  # its autograd graph was dropped: its backward will never run
             del flights[key]
@@ -243,14 +245,14 @@ def retain(entry: Entry, ctx: object) -> None:
     that keeps its activations (``share_activations=False``) is retained: a shared one's backward graph reuses
     them, and its second backward is refused outright (``Replay.backward``)."""
     ctx.overwritten_by = None  # type: ignore[attr-defined]
-    entry.owner.group.retained[id(ctx)] = (entry, weakref.ref(ctx))
+    entry.owner.group.memory.retained[id(ctx)] = (entry, weakref.ref(ctx))
 
 
 def overwrite_retained(entry: Entry, seq: int | None, what: str, *, capture: bool = False) -> None:
     """Before ``entry`` replays its graph recorded at ``seq`` (or, with ``capture``, warms up or captures into its
     pool): mark the retained backwards whose memory this may write, so that running one again raises instead of
     reading overwritten activations (eager would run it again: the refusal names the case)."""
-    retained = entry.owner.group.retained
+    retained = entry.owner.group.memory.retained
     for key, (other, ref) in list(retained.items()):
         ctx = ref()
         if ctx is not None:
@@ -274,7 +276,7 @@ def _reads_output_of(other: Entry, entry: Entry) -> bool:
 def let_go_retained(entries: Sequence[Entry], name: str) -> None:
     """``entries`` leave their callable's cache (evicted, replaced, dropped): their memory goes back to the pool,
     so no retained backward of theirs may run again."""
-    retained = entries[0].owner.group.retained if entries else {}
+    retained = entries[0].owner.group.memory.retained if entries else {}
     gone = {id(e) for e in entries}
     for key, (other, ref) in list(retained.items()):
         if id(other) in gone:
@@ -886,6 +888,28 @@ class ChainGradBuffers:
         self._blocks = {}
 
 
+# ------------------------------------------------------------------------------------------------ the group's memory
+class GroupMemory:
+    """The memory state of one capture group, kept by the rules above: the capture numbers and the graphs whose
+    backward is pending or retained (part 1), what is handed out (part 3), and a chained stack's grad buffers
+    (part 4). Every capture passes :func:`before_capture` first, and every replay :func:`before_replay`."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.seq = 0  # the newest capture's number: every later capture gets a larger one
+        self.in_flight: dict[int, Entry] = {}  # id(entry) -> a forward replayed with grad, its backward not run
+        self.retained: dict[int, tuple[Entry, weakref.ref]] = {}  # id(autograd node) -> a backward run retained
+        self.handouts = HandoutBook()
+        self.chain_buffers = ChainGradBuffers(cuda=recorder.stream is not None)
+        # Handed-out views do not keep the graphs' memory allocated: move their holders before it goes.
+        weakref.finalize(self, self.handouts.settle_all)
+        weakref.finalize(self, self.chain_buffers.close)
+
+    def next_seq(self) -> int:
+        """Number a new capture."""
+        self.seq += 1
+        return self.seq
+
+
 # ------------------------------------------------------------------------------------------ before captures and replays
 def before_capture(entry: Entry, *, release: bool) -> None:
     """Before a warm-up or capture of ``entry`` allocates from its pool: move handed-out tensors off released memory
@@ -893,14 +917,14 @@ def before_capture(entry: Entry, *, release: bool) -> None:
     (part 1), and with ``release`` (a forward capture, where a step starts) give back the chained grad buffers
     (part 4) and release the backward results nobody holds (part 3)."""
     group = entry.owner.group
-    group.handouts.before_capture(entry.pool)
-    if group.retained:
+    group.memory.handouts.before_capture(entry.pool)
+    if group.memory.retained:
         overwrite_retained(entry, None, "capture", capture=True)
     if release:
-        group.chain_buffers.give_back()
+        group.memory.chain_buffers.give_back()
     unowned = group.recorder.unowned
     if release and unowned is not None and not group.recorder.shares_pool and entry.owner.share_activations:
-        group.handouts.release_idle(unowned, group.peek_seq())
+        group.memory.handouts.release_idle(unowned, group.memory.seq)
 
 
 def before_replay(entry: Entry, seq: int | None, what: str) -> None:
@@ -916,5 +940,5 @@ def before_replay(entry: Entry, seq: int | None, what: str) -> None:
         chained = [] if bwd is None else [*bwd.chain_records.values(), *bwd.grad_output_records]
         writers = (id(entry), *(r.writer for r in chained))
     else:
-        group.chain_buffers.give_back()  # a forward: the stack's backward is over (or not started)
-    group.handouts.before_replay(seq, writers, entry.pool)
+        group.memory.chain_buffers.give_back()  # a forward: the stack's backward is over (or not started)
+    group.memory.handouts.before_replay(seq, writers, entry.pool)
