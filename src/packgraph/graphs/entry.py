@@ -104,6 +104,12 @@ class Entry:
     """One signature's capture, built captured: static buffers and the forward graph (``fwd``); when training,
     the backward graph (``bwd``: None until recorded, see the module docstring).
 
+    Its life: ``bwd`` is recorded right after the forward (a stack's capture) or at the first backward
+    (:meth:`capture_backward_late`; if that fails the entry leaves its cache), never when ``fwd.trains`` is False.
+    A call under grad leaves it *pending* (:attr:`in_flight`) until its backward runs; a backward run with
+    ``retain_graph`` leaves it *retained* (:func:`~packgraph.graphs.memory.retain`) until a replay or capture may
+    write what it reads. It ends when its callable lets go of it (evicted, replaced or dropped).
+
     Raises:
         GraphCaptureError: the callable cannot be captured (the line that failed is named).
     """
