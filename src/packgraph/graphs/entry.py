@@ -106,9 +106,10 @@ class Entry:
 
     Its life: ``bwd`` is recorded right after the forward (a stack's capture) or at the first backward
     (:meth:`capture_backward_late`; if that fails the entry leaves its cache), never when ``fwd.trains`` is False.
-    A call under grad leaves it *pending* (:attr:`in_flight`) until its backward runs; a backward run with
+    A call under grad leaves it *pending* (:attr:`in_flight`) until its backward runs. A backward run with
     ``retain_graph`` leaves it *retained* (:func:`~packgraph.graphs.memory.retain`) until a replay or capture may
-    write what it reads. It ends when its callable lets go of it (evicted, replaced or dropped).
+    write what it reads, when it keeps its own activations (``share_activations=False``); with shared ones a
+    second backward is refused. It ends when its callable lets go of it (evicted, replaced or dropped).
 
     Raises:
         GraphCaptureError: the callable cannot be captured (the line that failed is named).
