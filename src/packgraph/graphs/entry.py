@@ -311,10 +311,10 @@ class Entry:
         the next layer's input-grad buffer in a chained stack, so no copy is needed between them. The last layer of
         a chained stack (``last_in_stack``) reads the grad of its output from one of the stack's two chained grad
         buffers (:mod:`packgraph.graphs.memory`)."""
-        owner, fwd = self.owner, self.fwd
+        owner, fwd, mem = self.owner, self.fwd, self.owner.group.memory
         if not fwd.trains:
             return
-        owner.group.memory.chain_buffers.lend()
+        mem.chain_buffers.lend()
         raw = [o for o in fwd.raw_outputs if o is not None]
         if len(raw) < len(fwd.raw_outputs):
             raise RuntimeError(f"{owner.name}: a backward graph is recorded once, from the forward's autograd graph")
@@ -326,24 +326,24 @@ class Entry:
         for j in diff:
             static_grad_outputs[j] = given.get(j)
             if static_grad_outputs[j] is None and j == 0 and last_in_stack and owner.group.chain:
-                record = owner.group.memory.chain_buffers.for_stack_output(raw[0])
+                record = mem.chain_buffers.for_stack_output(raw[0])
                 static_grad_outputs[0] = record.static
                 grad_output_records.append(record)
             if static_grad_outputs[j] is None:
                 static_grad_outputs[j] = owner.buffers.get(("grad_output", j), raw[j], zero=True)
         grad_plan = [(j, g, g.data_ptr()) for j, g in enumerate(static_grad_outputs) if g is not None]
-        chain_statics = {id(r.static): r for r in owner.group.memory.chain_buffers.records()}
+        chain_statics = {id(r.static): r for r in mem.chain_buffers.records()}
         read_chain = {j: chain_statics[id(g)] for j, g in enumerate(static_grad_outputs) if id(g) in chain_statics}
         pattern: list[bool] = []
         n_in = len(self.grad_positions)
         pairs = zip(self.grad_positions, self.chained_grad_inputs, strict=True)
         chained = {i: self.static_inputs[i] for i, c in pairs if c}
-        by_position = owner.group.memory.chain_buffers.for_backward(chained, static_grad_outputs)
+        by_position = mem.chain_buffers.for_backward(chained, static_grad_outputs)
         chain = {k: by_position[i] for k, i in enumerate(self.grad_positions) if i in by_position}
         for record in [*chain.values(), *grad_output_records]:
             # What is handed out on the buffers this graph writes (the output grad it is about to read, say) moves
             # first: a recorder that records by running the body writes them now.
-            owner.group.memory.handouts.settle_writer(record.writer)
+            mem.handouts.settle_writer(record.writer)
         # Without retain_graph the saved activations go back to the pool when this capture ends, and later captures
         # (other signatures) reuse them; retained, they stay this graph's alone. A stand-in recorder that runs the
         # body to record it replays by running it again on the same autograd graph: it keeps it.
@@ -368,7 +368,7 @@ class Entry:
 
         chain_records: dict[int, Handout] = {}
         graph, kept = owner.group.recorder.record(body, pool=self.pool)
-        seq = owner.group.memory.next_seq()
+        seq = mem.next_seq()
         if not retain:
             fwd.raw_outputs = _only_static(fwd.raw_outputs, fwd.static_outputs)
         it = iter(kept)

@@ -916,22 +916,22 @@ def before_capture(entry: Entry, *, release: bool) -> None:
     (the allocator may place the capture's tensors there; part 3), mark the retained backwards it may overwrite
     (part 1), and with ``release`` (a forward capture, where a step starts) give back the chained grad buffers
     (part 4) and release the backward results nobody holds (part 3)."""
-    group = entry.owner.group
-    group.memory.handouts.before_capture(entry.pool)
-    if group.memory.retained:
+    recorder, mem = entry.owner.group.recorder, entry.owner.group.memory
+    mem.handouts.before_capture(entry.pool)
+    if mem.retained:
         overwrite_retained(entry, None, "capture", capture=True)
     if release:
-        group.memory.chain_buffers.give_back()
-    unowned = group.recorder.unowned
-    if release and unowned is not None and not group.recorder.shares_pool and entry.owner.share_activations:
-        group.memory.handouts.release_idle(unowned, group.memory.seq)
+        mem.chain_buffers.give_back()
+    unowned = recorder.unowned
+    if release and unowned is not None and not recorder.shares_pool and entry.owner.share_activations:
+        mem.handouts.release_idle(unowned, mem.seq)
 
 
 def before_replay(entry: Entry, seq: int | None, what: str) -> None:
     """Before ``entry`` replays its ``what`` graph (``"forward"`` or ``"backward"``, recorded at ``seq``): the order
     check (part 1), then move handed-out tensors this replay may write (part 3)."""
     check_replay_order(entry, seq, what)
-    group = entry.owner.group
+    mem = entry.owner.group.memory
     writers = (entry.owner.uid, id(entry))
     if what == "backward":
         # Its own grads and the chained grad buffers it writes (the one of its input grad, and the one its output
@@ -940,5 +940,5 @@ def before_replay(entry: Entry, seq: int | None, what: str) -> None:
         chained = [] if bwd is None else [*bwd.chain_records.values(), *bwd.grad_output_records]
         writers = (id(entry), *(r.writer for r in chained))
     else:
-        group.memory.chain_buffers.give_back()  # a forward: the stack's backward is over (or not started)
-    group.memory.handouts.before_replay(seq, writers, entry.pool)
+        mem.chain_buffers.give_back()  # a forward: the stack's backward is over (or not started)
+    mem.handouts.before_replay(seq, writers, entry.pool)
