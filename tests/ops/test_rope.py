@@ -132,9 +132,10 @@ def test_rejects_inputs_it_would_round_reshape_or_turn_to_nan(kwargs, match):
 
 
 def test_compiles_without_a_graph_break_with_its_cache_empty():
-    """Under torch.compile the inverse frequencies are computed in the graph: the cache of eager calls, empty at a
-    compiled model's first call, would break the graph (Dynamo cannot trace its inference-mode query) and add a
-    recompile once filled. Values as eager's."""
+    """Under torch.compile the inverse frequencies are a constant of the graph, evaluated when Dynamo traces:
+    traced, the cache of eager calls (empty at a compiled model's first call) would break the graph (Dynamo cannot
+    trace its inference-mode query), and computed in the graph, Inductor would recompute ``pow`` for every element
+    it rotates. One graph, no ``pow`` in it, no recompile once the cache is filled, values as eager's."""
     import packgraph.ops.rope as rope_mod
 
     params = PackedSeqParams.from_seqlens([30, 20, 1], capacity=4, total_tokens=64)
@@ -148,6 +149,14 @@ def test_compiles_without_a_graph_break_with_its_cache_empty():
     explained = torch._dynamo.explain(step)(x, params)
     assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
     assert explained.graph_count == 1
-    assert not rope_mod._inv_freq_cache  # nothing cached while tracing
+    ops = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
+    assert not any("pow" in op for op in ops), sorted(ops)
     torch._dynamo.reset()
-    torch.testing.assert_close(torch.compile(step, backend="eager")(x, params), step(x, params))
+    rope_mod._inv_freq_cache.clear()
+    compiled = torch.compile(step, backend="eager")
+    first = compiled(x, params)
+    assert rope_mod._inv_freq_cache  # filled by the trace's evaluation
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch.testing.assert_close(compiled(x, params), step(x, params), rtol=0, atol=0)
+    torch.testing.assert_close(first, step(x, params), rtol=0, atol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompile
