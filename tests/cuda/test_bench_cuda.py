@@ -3,10 +3,10 @@
 * ``packgraph-model+compile``: a ``torch.compile`` d model captured with scope ``"model"`` must give the losses
   and grads of the same compiled model run eagerly (same fused kernels, so the tolerances of the eager-vs-graphed
   GPT tests hold), across batches of several buckets, with one graph set per bucket. On the document-mask backend
-  (``packgraph-docmask-model+compile``: the model's graph breaks at each attention) one graph set for them all.
+  (``packgraph-docmask-model+compile``) one graph set for them all.
 * ``gpu_busy_ms``: the per-step kernel count over several profiled steps must match one step's, the per-step
   kernel time must fit in a step's wall time, and a matmul's time must land in the ``gemm`` class.
-* Where Dynamo breaks the compiled GPT: nowhere on FA2, only at the document mask's compiled pieces on doc_mask.
+* Where Dynamo breaks the compiled GPT: nowhere on FA2, once on doc_mask (where the document mask is built).
 """
 
 import dataclasses
@@ -133,27 +133,34 @@ def test_compiled_gpt_on_fa2_is_one_dynamo_graph(report):
 
 
 @pytest.mark.parametrize("backend", ["flash", "doc_mask"])
-def test_compiled_gpt_breaks_only_at_the_document_masks_compiled_pieces(backend, report):
+def test_compiled_gpt_breaks_only_at_the_document_mask_build(backend, report):
     """The CUDA twin of tests/models/test_gpt_compiled.py: torch.compile of the GPT, on a batch whose params carry
-    host offsets, with RoPE's cache empty, under autocast. On FA2 one graph; on the document mask, breaks only where
-    its own compiled pieces run (the mask's build, the attention). A break elsewhere splits every layer."""
+    host offsets, with RoPE's cache empty, under autocast. On FA2 one graph. On the document mask FlexAttention is
+    traced into the model's graph, which breaks only where the mask is built, as often for one layer as for three:
+    a break at each attention would keep the zeroing and layout copies around the kernel from fusing, and split the
+    residual stream's grads (1.8 ms a step of GPU time in the compiled medium model on the H200)."""
     import packgraph.ops.rope as rope_mod
 
-    torch.manual_seed(0)
-    cfg = GPTConfig.preset("tiny", d_model=128, n_layer=2, n_head=4, n_kv_head=2, attention_backend=backend)
-    model = GPT(cfg).cuda()
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(0, 256, (n,), generator=g) for n in (100, 3, 700)]
     batch = PackedBatch.from_documents(docs, bin_size=T, capacity=8).to("cuda")
     assert batch.packed_seq_params.current_host_offsets() is not None
-    rope_mod._inv_freq_cache.clear()
-    torch._dynamo.reset()
-    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-        explained = torch._dynamo.explain(model)(batch)
-    pieces = ("_compiled_mask", "_compiled_attention")
-    elsewhere = [b.reason.splitlines()[0] for b in explained.break_reasons if not any(p in b.reason for p in pieces)]
-    counts = f"{explained.graph_count} / {explained.graph_break_count}"
-    report(f"compiled GPT on {backend}, host offsets, cold RoPE cache: Dynamo graphs / breaks", counts)
-    assert not elsewhere, [b.reason for b in explained.break_reasons]
+    counts = {}
+    for n_layer in (1, 3):
+        torch.manual_seed(0)
+        cfg = GPTConfig.preset("tiny", d_model=128, n_layer=n_layer, n_head=4, n_kv_head=2, attention_backend=backend)
+        model = GPT(cfg).cuda()
+        rope_mod._inv_freq_cache.clear()
+        torch._dynamo.reset()
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            explained = torch._dynamo.explain(model)(batch)
+        reasons = [b.reason for b in explained.break_reasons]
+        assert all("_compiled_mask" in reason for reason in reasons), reasons
+        counts[n_layer] = (explained.graph_count, explained.graph_break_count)
+    shown = ", ".join(f"{n} layers {g} / {b}" for n, (g, b) in counts.items())
+    report(f"compiled GPT on {backend}, host offsets, cold RoPE cache: Dynamo graphs / breaks", shown)
+    assert counts[1] == counts[3], counts
     if backend == "flash":
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+        assert counts[3] == (1, 0)
+    else:
+        assert counts[3][1] >= 1

@@ -12,7 +12,7 @@ the model and what runs it:
 ``packgraph-docmask``        ``packgraph`` on the document-mask attention backend (FlexAttention, compiled), with
                              ``document_mask_buckets(T)``: one graph set for every batch
 ``packgraph-docmask-model+compile``  ``packgraph-model+compile`` on the document-mask backend: the model's graph
-                             breaks at each attention, whose mask build and kernel compile apart
+                             breaks once, where the mask is built; the attention is traced into the graph
 ``packgraph+compile``        each block ``torch.compile`` d (``mode="default"``, fusion), then captured by packgraph
 ``packgraph-model+compile``  the whole model ``torch.compile`` d (``mode="default"``), captured with scope
                              ``"model"``: compile-RO's fusion (embedding, head and loss too) with packgraph's graphs

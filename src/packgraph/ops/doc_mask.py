@@ -147,10 +147,16 @@ def default_tiles(q: Tensor) -> dict[str, int | bool] | None:
         q.is_cuda
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[-1] in (64, 128)
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and _capability(q.device.index) == (9, 0)
     ):
         return _SM90_FORWARD_TILES | (_SM90_D64 if q.shape[-1] == 64 else {})
     return None
+
+
+@torch.compiler.assume_constant_result
+def _capability(index: int | None) -> tuple[int, int]:
+    # a constant to a caller's torch.compile, which traces default_tiles (doc_mask_attention inside a compiled model)
+    return torch.cuda.get_device_capability(index)
 
 
 def doc_mask_attention(
@@ -181,9 +187,10 @@ def doc_mask_attention(
     attention with ``mode="max-autotune-no-cudagraphs"``: Inductor times its candidate tiles at the first call of
     each shape and keeps the fastest (a longer first call).
 
-    Called ``compiled`` inside a caller's torch.compile (a block or a whole model compiled), the caller's graph
-    breaks here and the two pieces run compiled on their own: traced into the caller's graph, the rows' documents
-    would be intermediates of the mask's build, which Inductor fails to lower (above).
+    Called ``compiled`` inside a caller's torch.compile (a block or a whole model compiled), the attention is traced
+    into the caller's graph; with no ``mask`` given the graph breaks once, where the mask is built (compiled on its
+    own): traced into the caller's graph, the rows' documents would be intermediates of the mask's build, which
+    Inductor fails to lower (above). ``autotune`` keeps the attention compiled apart, under its own mode.
 
     Raises:
         ValueError: ``q`` and ``k`` of different row counts (cross-attention: use ``varlen_attention``), or not
@@ -195,6 +202,12 @@ def doc_mask_attention(
             f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}; use varlen_attention for other shapes"
         )
     options = None if kernel_options is None else dict(kernel_options)
+    if compiled and torch.compiler.is_compiling() and not autotune:
+        # Inside a caller's torch.compile the attention is traced into the caller's graph, so that the zeroing and
+        # layout copies around the kernel fuse with their neighbours; only the mask's build breaks the graph (its
+        # rows' documents must not be intermediates of the graph that reads them: see document_block_mask).
+        block_mask, live = mask or _compiled_mask(packed_seq_params, q.shape[0], q.device, causal, window)
+        return _attend(q, k, v, live, block_mask, softmax_scale, softcap, _resolved(q, options, autotune))
     if compiled:
         return _compiled_attention(
             q, k, v, packed_seq_params, causal, softmax_scale, window, softcap, mask, options, autotune
@@ -229,7 +242,6 @@ def _compiled_attention(
         mask = document_block_mask(params, q.shape[0], q.device, causal=causal, window=window, compiled=True)
     block_mask, live = mask
     attend = _compiled("attend-autotune" if autotune else "attend")
-    # resolved here, outside any caller's compiled graph, which would trace the device query
     return attend(q, k, v, live, block_mask, scale, softcap, _resolved(q, kernel_options, autotune))
 
 
