@@ -378,6 +378,29 @@ def test_an_alias_the_engine_never_saw_is_found_by_a_scan_without_a_swap(handout
     assert memory.settled_bytes == settled + kept.untyped_storage().nbytes()  # the whole output, once
 
 
+@pytest.mark.parametrize("handout_path", ["scan"], indirect=True)
+def test_the_scan_passes_over_dead_weak_proxies(handout_path):
+    """The scan reads every object the garbage collector tracks. A ``weakref.proxy`` whose object is gone raises
+    ReferenceError at any attribute read, ``isinstance`` included: another library's dead proxy must not break the
+    scan (it did, in a test ordering that left one alive)."""
+    import weakref
+
+    class Target:
+        pass
+
+    target = Target()
+    dead = [weakref.proxy(target)]
+    del target
+    block = _block()
+    graphed = capture_with(EagerRecorder(), block, (_x(0), SIGS["A"]), forward_only=True)
+    scans = memory.scans
+    with torch.no_grad():
+        kept = graphed(_x(1), SIGS["A"]).detach()[2:]  # an alias the engine never saw: only the scan finds it
+        graphed(_x(2), SIGS["A"])
+        torch.testing.assert_close(kept, block(_x(1), SIGS["A"])[2:], rtol=0, atol=0)
+    assert memory.scans == scans + 1 and len(dead) == 1
+
+
 @pytest.mark.parametrize("handout_path", ["swap", "scan"], indirect=True)
 def test_an_output_autograd_saved_keeps_its_value_for_the_backward(handout_path):
     """An output saved by an eager op's autograd node, its Python tensor deleted: the node's tensor is still found

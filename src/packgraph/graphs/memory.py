@@ -515,7 +515,8 @@ class Handout:
         if _storage_refs(self._cdata) > self._baseline:  # the baseline counts ``handle`` itself
             global scans
             scans += 1
-            self._move_onto(copy, handle, (o for o in gc.get_objects() if isinstance(o, Tensor)))
+            # type(), not isinstance: isinstance reads __class__, which a dead weakref.proxy answers with an error
+            self._move_onto(copy, handle, (o for o in gc.get_objects() if issubclass(type(o), Tensor)))
         if _storage_refs(self._cdata) > self._baseline:
             raise GraphOrderError(
                 f"the {self.name} handed out by an earlier call is still held by a tensor Python cannot reach (saved "
