@@ -14,6 +14,14 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker takes its share of the cores: torch's default, an intra-op thread per core in
+    every worker, oversubscribes them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/cuda/ is marked `cuda`; `cuda` tests skip on machines without CUDA."""
     skip = pytest.mark.skip(reason="needs CUDA")
