@@ -120,7 +120,6 @@ class Entry:
     ) -> None:
         self.owner = owner
         self.key = key
-        self.flight: weakref.ref | None = None  # the autograd context of a forward whose backward has not run
         self.trainable: list[Tensor] = owner.trainable_now()
         # warm-up and capture train these instead of the parameters (packgraph.graphs.recorder says why)
         self.proxies = [proxy_leaf(p) for p in self.trainable]
@@ -136,7 +135,8 @@ class Entry:
         # group's pool may hand it that graph's activations), or ``apart``: when graphs captured before it may
         # replay while it is in flight (their temporaries may lie where its activations are placed).
         self.pool: Pool | None = recorder.pool
-        if apart or any(o.in_flight and freed_at(o) < float("inf") for o in owner.group.memory.in_flight.values()):
+        pending = owner.group.memory.in_flight.values()
+        if apart or any(ref() is not None and freed_at(o) < float("inf") for o, ref in pending):
             self.pool = recorder.new_pool()
         # A new signature's capture writes the callable's shared buffers before any replay (the call's inputs are
         # loaded into them below; a stand-in recorder's capture writes its outputs): what is handed out on them
@@ -445,7 +445,8 @@ class Entry:
     @property
     def in_flight(self) -> bool:
         """Its forward replayed with autograd recording and its backward has not run (the graph is still alive)."""
-        return self.flight is not None and self.flight() is not None
+        pending = self.owner.group.memory.in_flight.get(id(self))
+        return pending is not None and pending[1]() is not None
 
     def grad_input_buffer(self, dyn_index: int) -> Tensor | None:
         """The static grad of dynamic input ``dyn_index``, when a graph captured later may read it in place: only
@@ -606,8 +607,7 @@ class Replay(torch.autograd.Function):
         memory.before_replay(entry, entry.fwd.seq, "forward")
         entry.load(dyn)
         entry.fwd.graph.replay()
-        entry.flight = weakref.ref(ctx)
-        entry.owner.group.memory.in_flight[id(entry)] = entry
+        entry.owner.group.memory.in_flight[id(entry)] = (entry, weakref.ref(ctx))
         ctx.entry = entry
         ctx.versions = _param_versions(entry)
         ctx.set_materialize_grads(False)
@@ -640,7 +640,6 @@ class Replay(torch.autograd.Function):
                 "optimizer.step() or a load_state_dict before the backward, say): its backward would read the new "
                 "values. Run the backward before changing the parameters, as eager needs for the weights it saves."
             )
-        entry.flight = None
         entry.owner.group.memory.in_flight.pop(id(entry), None)
         entry.owner.group.memory.chain_buffers.lend()
         if entry.bwd is None:

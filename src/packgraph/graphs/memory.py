@@ -218,8 +218,8 @@ def in_flight_overlap(entry: Entry, seq: int | None, what: str) -> tuple[str, En
     (another signature of the same callable: they share buffers) or ``"pool"`` (captured in one pool in another
     order than they run). None when the replay is safe."""
     flights = entry.owner.group.memory.in_flight
-    for key, other in list(flights.items()):
-        if not other.in_flight:  # its autograd graph was dropped: its backward will never run
+    for key, (other, ref) in list(flights.items()):
+        if ref() is None:  # its autograd graph was dropped: its backward will never run
             del flights[key]
             continue
         why = _overlap(entry, seq, what, other)
@@ -897,7 +897,8 @@ class GroupMemory:
 
     def __init__(self, recorder: Recorder) -> None:
         self.seq = 0  # the newest capture's number: every later capture gets a larger one
-        self.in_flight: dict[int, Entry] = {}  # id(entry) -> a forward replayed with grad, its backward not run
+        # id(entry) -> (entry, its autograd context): a forward replayed with grad whose backward has not run
+        self.in_flight: dict[int, tuple[Entry, weakref.ref]] = {}
         self.retained: dict[int, tuple[Entry, weakref.ref]] = {}  # id(autograd node) -> a backward run retained
         self.handouts = HandoutBook()
         self.chain_buffers = ChainGradBuffers(cuda=recorder.stream is not None)
