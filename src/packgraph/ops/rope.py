@@ -35,8 +35,7 @@ def rope_positions(packed_seq_params: PackedSeqParams, total_tokens: int) -> Ten
 def _inv_freq(head_dim: int, base: float, device: torch.device, dtype: torch.dtype) -> Tensor:
     # Under torch.compile, Dynamo runs this at trace time and bakes the tensor into the graph as a constant: the
     # kernels load it, as they load the eager cache's tensor. Traced instead, the cache's inference-mode query
-    # breaks the graph, and computed in the graph Inductor inlines pow into every element's rotation (3.5 ms more
-    # per step in the medium bench GPT on the H200).
+    # breaks the graph; computed in the graph, Inductor inlines pow into the rotation of every element.
     key = (head_dim, float(base), device, dtype)
     cached = _inv_freq_cache.get(key)
     if cached is not None:
