@@ -206,7 +206,9 @@ def doc_mask_attention(
         # Inside a caller's torch.compile the attention is traced into the caller's graph, so that the zeroing and
         # layout copies around the kernel fuse with their neighbours; only the mask's build breaks the graph (its
         # rows' documents must not be intermediates of the graph that reads them: see document_block_mask).
-        block_mask, live = mask or _compiled_mask(packed_seq_params, q.shape[0], q.device, causal, window)
+        block_mask, live = mask or document_block_mask(
+            packed_seq_params, q.shape[0], q.device, causal=causal, window=window, compiled=True
+        )
         return _attend(q, k, v, live, block_mask, softmax_scale, softcap, _resolved(q, options, autotune))
     if compiled:
         return _compiled_attention(
