@@ -324,7 +324,7 @@ class GraphedCallable:
         return [] if self.forward_only else [p for p in self.params if p.requires_grad]
 
     def any_in_flight(self) -> bool:
-        return any(ref() is not None for e, ref in self.group.memory.in_flight.values() if e.owner is self)
+        return any(e.owner is self for e in self.group.memory.pending())
 
     # ---------------------------------------------------------------- cache
     @property

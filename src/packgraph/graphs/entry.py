@@ -135,8 +135,7 @@ class Entry:
         # group's pool may hand it that graph's activations), or ``apart``: when graphs captured before it may
         # replay while it is in flight (their temporaries may lie where its activations are placed).
         self.pool: Pool | None = recorder.pool
-        pending = owner.group.memory.in_flight.values()
-        if apart or any(ref() is not None and freed_at(o) < float("inf") for o, ref in pending):
+        if apart or any(freed_at(o) < float("inf") for o in owner.group.memory.pending()):
             self.pool = recorder.new_pool()
         # A new signature's capture writes the callable's shared buffers before any replay (the call's inputs are
         # loaded into them below; a stand-in recorder's capture writes its outputs): what is handed out on them

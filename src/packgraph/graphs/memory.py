@@ -217,11 +217,7 @@ def in_flight_overlap(entry: Entry, seq: int | None, what: str) -> tuple[str, En
     recorded at ``seq`` may write, and why: ``"again"`` (``entry`` itself, replayed forward again), ``"buffers"``
     (another signature of the same callable: they share buffers) or ``"pool"`` (captured in one pool in another
     order than they run). None when the replay is safe."""
-    flights = entry.owner.group.memory.in_flight
-    for key, (other, ref) in list(flights.items()):
-        if ref() is None:  # its autograd graph was dropped: its backward will never run
-            del flights[key]
-            continue
+    for other in entry.owner.group.memory.pending():
         why = _overlap(entry, seq, what, other)
         if why is not None:
             return why, other
@@ -910,6 +906,14 @@ class GroupMemory:
         """Number a new capture."""
         self.seq += 1
         return self.seq
+
+    def pending(self) -> list[Entry]:
+        """The entries whose backward is pending, oldest first; one whose autograd graph was dropped is forgotten
+        (its backward will never run)."""
+        for key, (_, ref) in list(self.in_flight.items()):
+            if ref() is None:
+                del self.in_flight[key]
+        return [entry for entry, _ in self.in_flight.values()]
 
 
 # ------------------------------------------------------------------------------------------ before captures and replays
